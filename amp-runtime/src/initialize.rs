@@ -1,0 +1,42 @@
+//! `amp::initialize`: turns a model built with fp32 weights into its mixed-precision form.
+
+use crate::error::Result;
+use crate::{AmpConfig, AmpModule, Cursor, Layer, LayerPrecision, LayerSite, ParamStorage, Precision};
+
+/// Applies an optimisation level to `model`: sets every layer's compute and output precision from its
+/// attributes and the level, and converts parameter storage (half working copies with fp32 masters
+/// under O2, half parameters under O3). Idempotent, and reversible: initializing with O0 afterwards
+/// restores fp32 parameters from the masters.
+///
+/// Precedence per layer: fp32-pinned layers always compute in fp32; at O0 everything is fp32 (the
+/// baseline ignores attributes); otherwise the innermost `#[amp(...)]` on the layer's path, else the
+/// level's compute precision (`half`, resolved by `config.half`).
+pub fn initialize<M: AmpModule + ?Sized>(model: &mut M, config: AmpConfig) -> Result<()> {
+    let policy = config.opt_level.policy();
+    let output = Some(config.activation_precision());
+    let mut first_error = None;
+    let mut apply = |site: LayerSite<'_>, layer: &mut dyn Layer| {
+        if first_error.is_some() {
+            return;
+        }
+        let compute = if layer.pinned_fp32() || !config.opt_level.mixed() {
+            Precision::Fp32
+        } else {
+            site.requested.unwrap_or(policy.compute).resolve(config.half)
+        };
+        layer.set_precision(LayerPrecision { compute, output });
+        let storage = match (compute.is_half(), config.opt_level.half_parameters()) {
+            (true, true) if config.opt_level.master_weights() => ParamStorage::MasterAndWorking(compute),
+            (true, true) => ParamStorage::Half(compute),
+            _ => ParamStorage::Fp32,
+        };
+        for (_, param) in layer.params_mut() {
+            if let Err(err) = param.set_storage(storage) {
+                first_error = Some(err);
+                return;
+            }
+        }
+    };
+    model.visit_mut(&mut Cursor::new(), &mut apply);
+    first_error.map_or(Ok(()), Err)
+}

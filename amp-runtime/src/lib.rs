@@ -1,0 +1,26 @@
+//! The runtime of amp, re-exported by the `amp` crate: precisions and policies, the [`AmpModule`] trait
+//! and its traversal, precision-aware layers ([`nn`]), parameters with fp32 masters, and
+//! [`initialize`].
+#![warn(missing_docs)]
+
+pub mod error;
+mod initialize;
+mod layer;
+mod master;
+pub mod module;
+pub mod nn;
+mod param;
+mod policy;
+mod precision;
+
+pub use error::{Error, Result};
+pub use initialize::initialize;
+pub use layer::{Layer, LayerPrecision};
+pub use master::{grads_to_masters, refresh_working_copies};
+pub use module::{
+    AmpModule, AmpModuleExt, Cursor, HalfSafe, LayerSite, Plan, PlanField, PlanNode, PlanRow, PrecisionPlan,
+    Visitor, VisitorMut,
+};
+pub use param::{Param, ParamStorage};
+pub use policy::{AmpConfig, LossScaling, OptLevel, Policy};
+pub use precision::{Precision, PrecisionSpec};

@@ -1,0 +1,91 @@
+//! The [`AmpModule`] trait that `#[derive(AmpModule)]` implements, and the machinery around it:
+//! the static [`Plan`] and traversal with [`Visitor`]s.
+
+mod containers;
+mod plan;
+mod report;
+mod visit;
+
+pub use plan::{Plan, PlanField, PlanNode};
+pub use report::{PlanRow, PrecisionPlan};
+pub use visit::{Cursor, LayerSite, Visitor, VisitorMut};
+
+/// A model, or part of one, whose layers carry precisions.
+///
+/// Implemented by `#[derive(AmpModule)]` for your structs, by the layers of [`crate::nn`], and by
+/// `Vec`, `Option`, `Box` and arrays of modules. A leaf layer of your own implements [`crate::Layer`]
+/// and this trait with [`crate::layer_module!`].
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an amp module",
+    label = "not an `AmpModule`",
+    note = "a field of a `#[derive(AmpModule)]` struct must be a module: a layer of `amp::nn`, a struct that \
+            derives `AmpModule`, or a Vec/Option/Box/array of them",
+    note = "if this field holds no parameters, mark it `#[amp(skip)]`; if it is a layer of your own, \
+            implement `amp::Layer` and `amp::layer_module!` for it"
+)]
+pub trait AmpModule {
+    /// The static precision plan of this type: its fields, their requested precisions and types.
+    const PLAN: Plan;
+
+    /// True when some layer of this model is fixed to fp16 (or `half`, which is fp16 on CUDA) by its
+    /// attributes, through any depth of nesting: training it needs a loss scaler. Computed at compile time.
+    const NEEDS_LOSS_SCALING: bool = Self::PLAN.needs_loss_scaling();
+
+    /// Visits every layer with its dotted path and requested precision.
+    fn visit(&self, cursor: &mut Cursor, visitor: &mut dyn Visitor);
+
+    /// Visits every layer mutably with its dotted path and requested precision.
+    fn visit_mut(&mut self, cursor: &mut Cursor, visitor: &mut dyn VisitorMut);
+}
+
+/// Marker for modules whose computation is accurate in half precision (matmul-class layers, embeddings,
+/// composite modules). Norms, softmax and losses do not implement it: they reduce, and reductions in half
+/// lose precision, so `#[amp(fp16)]`, `#[amp(bf16)]` or `#[amp(half)]` on them is a compile error.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` must compute in fp32 and cannot take a half precision",
+    label = "this layer is pinned to fp32",
+    note = "norms, softmax and losses reduce over many values; in fp16 or bf16 those sums lose precision \
+            or overflow, so amp keeps them in fp32 (as Apex and torch.autocast do)",
+    note = "write `#[amp(fp32)]` on this field, or remove the attribute: the layer then stays fp32 \
+            whatever its parent's default is"
+)]
+pub trait HalfSafe {}
+
+/// Walks every layer of `module` with a closure.
+fn for_each_layer<M: AmpModule + ?Sized>(module: &M, mut f: impl FnMut(LayerSite<'_>, &dyn crate::Layer)) {
+    module.visit(&mut Cursor::new(), &mut |site: LayerSite<'_>, layer: &dyn crate::Layer| f(site, layer));
+}
+
+/// Operations every [`AmpModule`] gets: its precision plan and its parameters by path.
+pub trait AmpModuleExt: AmpModule {
+    /// The plan of this instance: every layer's path, type, compute precision, parameter count and
+    /// bytes at fp32 vs as stored. Print it to see it as a table.
+    fn precision_plan(&self) -> PrecisionPlan {
+        let mut plan = PrecisionPlan::default();
+        for_each_layer(self, |site, layer| plan.rows.push(PlanRow::of(site, layer)));
+        plan
+    }
+
+    /// Every parameter with its dotted path (`blocks.0.fc.weight`), in declaration order.
+    fn named_params(&self) -> Vec<(String, crate::Param)> {
+        let mut out = Vec::new();
+        for_each_layer(self, |site, layer| {
+            for (name, param) in layer.params() {
+                out.push((site.param_path(name), param.clone()));
+            }
+        });
+        out
+    }
+
+    /// The variables that `backward` produces gradients for (half working copies under O2).
+    fn trainable_vars(&self) -> Vec<candle_core::Var> {
+        self.named_params().into_iter().map(|(_, p)| p.trainable().clone()).collect()
+    }
+
+    /// The fp32 source-of-truth variables (the masters under O2).
+    fn master_vars(&self) -> Vec<candle_core::Var> {
+        self.named_params().into_iter().map(|(_, p)| p.master().clone()).collect()
+    }
+}
+
+impl<M: AmpModule + ?Sized> AmpModuleExt for M {}

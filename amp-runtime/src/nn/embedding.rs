@@ -1,0 +1,72 @@
+//! Embedding table: row lookup `y[.., :] = W[ids[..], :]`.
+//!
+//! Shapes: `ids` integer `(..)`, `W` is `(vocab, hidden)`, `y` is `(.., hidden)`. A lookup does no
+//! arithmetic, so it is exact in any precision; the gradient is a scatter-add into `W`.
+
+use candle_core::{Module, Result, Tensor};
+use candle_nn::{init, VarBuilder};
+
+use crate::{HalfSafe, Layer, LayerPrecision, Param};
+
+/// An embedding with candle-nn's parameter name (`weight`) and initialisation (standard normal).
+#[derive(Clone, Debug)]
+pub struct Embedding {
+    weight: Param,
+    hidden: usize,
+    precision: LayerPrecision,
+}
+
+/// An embedding of `vocab` rows of `hidden` values, created or loaded through `vb` like
+/// `candle_nn::embedding`.
+pub fn embedding(vocab: usize, hidden: usize, vb: VarBuilder<'_>) -> Result<Embedding> {
+    let weight = vb.get_with_hints((vocab, hidden), "weight", init::Init::Randn { mean: 0.0, stdev: 1.0 })?;
+    Embedding::new(Param::from_tensor(&weight)?)
+}
+
+impl Embedding {
+    /// An embedding from an existing `(vocab, hidden)` table.
+    pub fn new(weight: Param) -> Result<Self> {
+        let (_, hidden) = weight.trainable().dims2()?;
+        Ok(Embedding { weight, hidden, precision: LayerPrecision::FP32 })
+    }
+
+    /// The table, `(vocab, hidden)`.
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+}
+
+impl Module for Embedding {
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let mut dims = ids.dims().to_vec();
+        dims.push(self.hidden);
+        let table = self.weight.in_precision(self.precision.compute)?;
+        let rows = table.index_select(&ids.flatten_all()?, 0)?.reshape(dims)?;
+        // Ids are integers, so "the input's dtype" means the compute dtype here.
+        super::cast_output(rows, self.precision, self.precision.compute.dtype())
+    }
+}
+
+impl Layer for Embedding {
+    fn kind(&self) -> &'static str {
+        "Embedding"
+    }
+    fn pinned_fp32(&self) -> bool {
+        false
+    }
+    fn params(&self) -> Vec<(&'static str, &Param)> {
+        vec![("weight", &self.weight)]
+    }
+    fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
+        vec![("weight", &mut self.weight)]
+    }
+    fn precision(&self) -> LayerPrecision {
+        self.precision
+    }
+    fn set_precision(&mut self, precision: LayerPrecision) {
+        self.precision = precision;
+    }
+}
+
+impl HalfSafe for Embedding {}
+crate::layer_module!(Embedding);

@@ -1,0 +1,87 @@
+//! Layer normalisation over the last dimension, statistics in fp32:
+//! `y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias`.
+//!
+//! Written with differentiable candle ops, so it has a backward in every dtype (candle-nn's fused
+//! `layer_norm` has none on contiguous input). The input is widened to f32 first: a mean over `n` values
+//! in half precision accumulates rounding error of order `n * eps_half` and overflows fp16 for large
+//! activations.
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{init, VarBuilder};
+
+use crate::{Layer, LayerPrecision, Param};
+
+/// Layer normalisation with candle-nn's parameter names (`weight`, `bias`). Pinned to fp32.
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    weight: Param,
+    bias: Option<Param>,
+    eps: f64,
+    precision: LayerPrecision,
+}
+
+/// A layer norm over `size` features with `weight` (ones) and `bias` (zeros), created or loaded through
+/// `vb` like `candle_nn::layer_norm`.
+pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder<'_>) -> Result<LayerNorm> {
+    let weight = vb.get_with_hints(size, "weight", init::Init::Const(1.0))?;
+    let bias = vb.get_with_hints(size, "bias", init::Init::Const(0.0))?;
+    Ok(LayerNorm::new(Param::from_tensor(&weight)?, Some(Param::from_tensor(&bias)?), eps))
+}
+
+impl LayerNorm {
+    /// A layer norm from existing parameters.
+    pub fn new(weight: Param, bias: Option<Param>, eps: f64) -> Self {
+        LayerNorm { weight, bias, eps, precision: LayerPrecision::FP32 }
+    }
+
+    /// The scale, `(size)`.
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// The shift, `(size)`.
+    pub fn bias(&self) -> Option<&Param> {
+        self.bias.as_ref()
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let x = xs.to_dtype(DType::F32)?;
+        let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+        let variance = centered.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = centered.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
+        let mut y = normed.broadcast_mul(&self.weight.in_precision(crate::Precision::Fp32)?)?;
+        if let Some(bias) = &self.bias {
+            y = y.broadcast_add(&bias.in_precision(crate::Precision::Fp32)?)?;
+        }
+        super::cast_output(y, self.precision, xs.dtype())
+    }
+}
+
+impl Layer for LayerNorm {
+    fn kind(&self) -> &'static str {
+        "LayerNorm"
+    }
+    fn pinned_fp32(&self) -> bool {
+        true
+    }
+    fn params(&self) -> Vec<(&'static str, &Param)> {
+        let mut params = vec![("weight", &self.weight)];
+        params.extend(self.bias.as_ref().map(|b| ("bias", b)));
+        params
+    }
+    fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
+        let mut params = vec![("weight", &mut self.weight)];
+        params.extend(self.bias.as_mut().map(|b| ("bias", b)));
+        params
+    }
+    fn precision(&self) -> LayerPrecision {
+        self.precision
+    }
+    fn set_precision(&mut self, precision: LayerPrecision) {
+        self.precision = LayerPrecision { compute: crate::Precision::Fp32, ..precision };
+    }
+}
+
+crate::layer_module!(LayerNorm, pinned_fp32);

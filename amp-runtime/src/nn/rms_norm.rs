@@ -1,0 +1,70 @@
+//! Root-mean-square normalisation over the last dimension, statistics in fp32:
+//! `y = x / sqrt(mean(x^2) + eps) * weight`.
+//!
+//! Differentiable in every dtype (candle-nn's fused `rms_norm` has no backward); the mean of squares runs
+//! in f32, where fp16 would overflow for |x| > 256.
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{init, VarBuilder};
+
+use crate::{Layer, LayerPrecision, Param, Precision};
+
+/// RMS normalisation with candle-nn's parameter name (`weight`). Pinned to fp32.
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    weight: Param,
+    eps: f64,
+    precision: LayerPrecision,
+}
+
+/// An RMS norm over `size` features with `weight` (ones), created or loaded through `vb` like
+/// `candle_nn::rms_norm`.
+pub fn rms_norm(size: usize, eps: f64, vb: VarBuilder<'_>) -> Result<RmsNorm> {
+    let weight = vb.get_with_hints(size, "weight", init::Init::Const(1.0))?;
+    Ok(RmsNorm::new(Param::from_tensor(&weight)?, eps))
+}
+
+impl RmsNorm {
+    /// An RMS norm from an existing scale.
+    pub fn new(weight: Param, eps: f64) -> Self {
+        RmsNorm { weight, eps, precision: LayerPrecision::FP32 }
+    }
+
+    /// The scale, `(size)`.
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let x = xs.to_dtype(DType::F32)?;
+        let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = x.broadcast_div(&(mean_square + self.eps)?.sqrt()?)?;
+        let y = normed.broadcast_mul(&self.weight.in_precision(Precision::Fp32)?)?;
+        super::cast_output(y, self.precision, xs.dtype())
+    }
+}
+
+impl Layer for RmsNorm {
+    fn kind(&self) -> &'static str {
+        "RmsNorm"
+    }
+    fn pinned_fp32(&self) -> bool {
+        true
+    }
+    fn params(&self) -> Vec<(&'static str, &Param)> {
+        vec![("weight", &self.weight)]
+    }
+    fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
+        vec![("weight", &mut self.weight)]
+    }
+    fn precision(&self) -> LayerPrecision {
+        self.precision
+    }
+    fn set_precision(&mut self, precision: LayerPrecision) {
+        self.precision = LayerPrecision { compute: Precision::Fp32, ..precision };
+    }
+}
+
+crate::layer_module!(RmsNorm, pinned_fp32);
