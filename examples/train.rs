@@ -5,7 +5,7 @@
 //! derive and `amp::initialize` produce, and O2 training (bf16 working copies, fp32 master weights
 //! updated by candle-nn's AdamW) with no manual casts in the model.
 //!
-//! Run: `cargo run --release --example train -- [--opt-level O0|O1|O2|O3] [--steps N] [--seed S]`
+//! Run: `cargo run --release --example train -- [--opt-level O0|O1|O2|O3] [--steps N]`
 
 use amp::nn::{layer_norm, linear, LayerNorm, Linear};
 use amp::{AmpConfig, AmpModule, AmpModuleExt, OptLevel};
@@ -52,8 +52,13 @@ struct Model {
 
 impl Model {
     fn new(vb: VarBuilder<'_>) -> candle_core::Result<Self> {
-        let blocks = (0..DEPTH).map(|i| Residual::new(vb.pp(format!("blocks.{i}")))).collect::<Result<_, _>>()?;
-        Ok(Model { blocks, norm: layer_norm(WIDTH, 1e-5, vb.pp("norm"))?, head: linear(WIDTH, 1, vb.pp("head"))? })
+        let blocks =
+            (0..DEPTH).map(|i| Residual::new(vb.pp(format!("blocks.{i}")))).collect::<Result<_, _>>()?;
+        Ok(Model {
+            blocks,
+            norm: layer_norm(WIDTH, 1e-5, vb.pp("norm"))?,
+            head: linear(WIDTH, 1, vb.pp("head"))?,
+        })
     }
 }
 
@@ -67,21 +72,17 @@ impl Module for Model {
 struct Args {
     opt_level: OptLevel,
     steps: usize,
-    seed: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args { opt_level: OptLevel::O2, steps: 300, seed: 0 };
+    let mut args = Args { opt_level: OptLevel::O2, steps: 300 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
             "--opt-level" => args.opt_level = value()?.parse().map_err(|e| format!("{e}"))?,
             "--steps" => args.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
-            "--seed" => args.seed = value()?.parse().map_err(|e| format!("--seed: {e}"))?,
-            "--help" | "-h" => {
-                return Err("usage: train [--opt-level O0|O1|O2|O3] [--steps N] [--seed S]".to_string())
-            }
+            "--help" | "-h" => return Err("usage: train [--opt-level O0|O1|O2|O3] [--steps N]".to_string()),
             other => return Err(format!("unknown flag {other}; try --help")),
         }
     }
@@ -91,7 +92,6 @@ fn parse_args() -> Result<Args, String> {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args()?;
     let device = Device::Cpu;
-    device.set_seed(args.seed)?;
 
     // A fixed random teacher defines the task; the student learns to imitate it.
     let teacher_map = VarMap::new();
@@ -101,7 +101,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let config = AmpConfig::new(args.opt_level, &device);
     amp::initialize(&mut model, config)?;
-    println!("opt level {} (half = {}), static plan of `Model`:\n{}", args.opt_level, config.half, Model::PLAN);
+    println!(
+        "opt level {} (half = {}), static plan of `Model`:\n{}",
+        args.opt_level,
+        config.half,
+        Model::PLAN
+    );
     println!("precision plan:\n{}\n", model.precision_plan());
 
     let mut optimizer = AdamW::new(model.master_vars(), ParamsAdamW { lr: 1e-3, ..Default::default() })?;

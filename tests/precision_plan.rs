@@ -34,8 +34,8 @@ struct Bf16Only {
 
 /// Paths of the model as `VarBuilder` names them, so the traversal's paths are checkpoint names.
 fn model(vb: VarBuilder<'_>) -> Result<Model> {
-    let layers =
-        (0..2).map(|i| {
+    let layers = (0..2)
+        .map(|i| {
             let vb = vb.pp(format!("layers.{i}"));
             Ok(Mlp { up: linear(8, 16, vb.pp("up"))?, down: linear(16, 8, vb.pp("down"))? })
         })
@@ -80,7 +80,8 @@ fn needs_loss_scaling_is_computed_through_nesting() {
 fn traversal_gives_checkpoint_paths_precisions_and_counts() -> Result<()> {
     let varmap = VarMap::new();
     let mut model = model(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
-    amp::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu)).map_err(candle_core::Error::from)?;
+    amp::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu))
+        .map_err(candle_core::Error::from)?;
 
     let plan = model.precision_plan();
     let rows: Vec<_> = plan.rows.iter().map(|r| (r.path.as_str(), r.kind, r.compute, r.params)).collect();
@@ -102,11 +103,18 @@ fn traversal_gives_checkpoint_paths_precisions_and_counts() -> Result<()> {
     assert_eq!(plan.bytes_fp32(), 4 * plan.params());
     assert_eq!(plan.bytes_planned(), 6 * (plan.params() - 16) + 4 * 16);
     assert!(plan.computes_in_fp16());
+    assert_eq!(model.name, "tiny", "skipped fields are left alone");
 
     // Traversal paths are the VarBuilder names: every master is the VarMap's own variable.
     let mut names: Vec<_> = model.named_params().into_iter().map(|(path, _)| path).collect();
     names.sort();
-    let mut stored: Vec<_> = varmap.data().lock().map_err(|_| candle_core::Error::Msg("poisoned".into()))?.keys().cloned().collect();
+    let mut stored: Vec<_> = varmap
+        .data()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("poisoned".into()))?
+        .keys()
+        .cloned()
+        .collect();
     stored.sort();
     assert_eq!(names, stored);
     let printed = plan.to_string();
@@ -120,10 +128,15 @@ fn initialize_back_to_o0_restores_the_masters_exactly() -> Result<()> {
     let mut model = model(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
     let before: Vec<Vec<f32>> =
         model.master_vars().iter().map(|v| v.as_tensor().flatten_all()?.to_vec1()).collect::<Result<_>>()?;
-    amp::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu)).map_err(candle_core::Error::from)?;
-    amp::initialize(&mut model, AmpConfig::new(OptLevel::O0, &Device::Cpu)).map_err(candle_core::Error::from)?;
-    let after: Vec<Vec<f32>> =
-        model.trainable_vars().iter().map(|v| v.as_tensor().flatten_all()?.to_vec1()).collect::<Result<_>>()?;
+    amp::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu))
+        .map_err(candle_core::Error::from)?;
+    amp::initialize(&mut model, AmpConfig::new(OptLevel::O0, &Device::Cpu))
+        .map_err(candle_core::Error::from)?;
+    let after: Vec<Vec<f32>> = model
+        .trainable_vars()
+        .iter()
+        .map(|v| v.as_tensor().flatten_all()?.to_vec1())
+        .collect::<Result<_>>()?;
     assert_eq!(before, after);
     assert!(model.precision_plan().rows.iter().all(|r| r.storage == ParamStorage::Fp32));
     Ok(())

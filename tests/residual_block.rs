@@ -86,8 +86,14 @@ fn residual_block_gradients_match_fp32_under_every_level() -> Result<()> {
             assert!(err < tolerance, "{opt_level} {half}: output error {err:.2e} > {tolerance:.2e}");
             for ((path, grad), (_, expected)) in grads.iter().zip(&reference.1) {
                 let err = common::relative_error(grad, expected)?;
-                assert!(err < tolerance, "{opt_level} {half}: {path} gradient error {err:.2e} > {tolerance:.2e}");
-                assert!(err > 0.0 || path.starts_with("norm"), "{opt_level} {half}: {path} was not computed in half");
+                assert!(
+                    err < tolerance,
+                    "{opt_level} {half}: {path} gradient error {err:.2e} > {tolerance:.2e}"
+                );
+                assert!(
+                    err > 0.0 || path.starts_with("norm"),
+                    "{opt_level} {half}: {path} was not computed in half"
+                );
             }
         }
     }
@@ -97,7 +103,8 @@ fn residual_block_gradients_match_fp32_under_every_level() -> Result<()> {
 #[test]
 fn o0_ignores_attributes_and_stays_fp32() -> Result<()> {
     let mut block = block()?;
-    amp::initialize(&mut block, AmpConfig::new(OptLevel::O0, &Device::Cpu)).map_err(candle_core::Error::from)?;
+    amp::initialize(&mut block, AmpConfig::new(OptLevel::O0, &Device::Cpu))
+        .map_err(candle_core::Error::from)?;
     let plan = block.precision_plan();
     assert!(plan.rows.iter().all(|row| row.compute == Precision::Fp32), "{plan}");
     assert_eq!(plan.bytes_planned(), plan.bytes_fp32());

@@ -37,6 +37,65 @@ pub enum Error {
         given: String,
     },
 
+    // ---- checkpoints ----
+    /// A checkpoint could not be read or written.
+    #[error("checkpoint {}: {reason}", path.display())]
+    CheckpointIo {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// A checkpoint does not match the model; nothing was loaded.
+    #[error("checkpoint {} refused, the model is unchanged:{problems}", path.display())]
+    CheckpointRefused {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Every mismatch found.
+        problems: crate::checkpoint::CheckpointProblems,
+    },
+
+    // ---- loss scaling ----
+    /// A scaler setting out of range.
+    #[error("invalid loss-scaler setting: {reason}")]
+    InvalidScalerConfig {
+        /// Which setting, and its valid range.
+        reason: String,
+    },
+    /// An overflow at the minimum scale with `AtScaleFloor::Stop`.
+    #[error(
+        "step {step}: non-finite values at the minimum loss scale {scale} ({what}); no scale can fix this: \
+         look for a diverged model (lower the learning rate), a log/division of zero, or bad data. \
+         Set `at_floor: AtScaleFloor::Continue` to keep skipping instead"
+    )]
+    ScaleAtFloor {
+        /// Steps taken.
+        step: u64,
+        /// The floor.
+        scale: f32,
+        /// What was not finite.
+        what: String,
+    },
+
+    // ---- memory access ----
+    /// A kernel needs contiguous memory.
+    #[error(
+        "amp's fused kernels need contiguous tensors; call `.contiguous()` on this gradient or parameter"
+    )]
+    NotContiguous,
+    /// A kernel that has no implementation on this device.
+    #[error("this amp kernel runs on the CPU only, the tensor is on {device}")]
+    DeviceNotSupported {
+        /// The tensor's device.
+        device: String,
+    },
+    /// A broken invariant inside amp: a bug, please report it.
+    #[error("internal error in amp (please report): {what}")]
+    Internal {
+        /// What broke.
+        what: String,
+    },
+
     // ---- tensors ----
     /// An error from candle.
     #[error(transparent)]

@@ -3,6 +3,8 @@
 //! [`initialize`].
 #![warn(missing_docs)]
 
+mod cast_cache;
+pub mod checkpoint;
 pub mod error;
 mod initialize;
 mod layer;
@@ -12,7 +14,10 @@ pub mod nn;
 mod param;
 mod policy;
 mod precision;
+pub mod scaler;
+mod storage;
 
+pub use cast_cache::CastCache;
 pub use error::{Error, Result};
 pub use initialize::initialize;
 pub use layer::{Layer, LayerPrecision};
@@ -24,3 +29,4 @@ pub use module::{
 pub use param::{Param, ParamStorage};
 pub use policy::{AmpConfig, LossScaling, OptLevel, Policy};
 pub use precision::{Precision, PrecisionSpec};
+pub use scaler::GradScaler;

@@ -90,9 +90,10 @@ impl Param {
     }
 
     /// The parameter as a tensor of `precision` for use in forward: a no-op when it is stored so, else a
-    /// differentiable cast (O1: the gradient flows back to the fp32 variable in fp32).
-    pub fn in_precision(&self, precision: Precision) -> Result<Tensor> {
-        Ok(self.trainable.as_tensor().to_dtype(precision.dtype())?)
+    /// differentiable cast (O1: the gradient flows back to the fp32 variable in fp32), served from the
+    /// [`crate::CastCache`] when one is active.
+    pub fn in_precision(&self, precision: Precision) -> candle_core::Result<Tensor> {
+        crate::cast_cache::cast(self.trainable.as_tensor(), precision.dtype())
     }
 
     /// Converts the storage. Keeps the master's values exactly where one exists: going from O2 back to
@@ -116,6 +117,7 @@ impl Param {
 
     /// Copies the master into the working copy (after an optimizer updated the master). No-op without one.
     pub fn refresh_working(&self) -> Result<()> {
+        crate::CastCache::clear();
         if let Some(master) = &self.master {
             let half = master.as_tensor().to_dtype(self.trainable.dtype())?;
             self.trainable.set(&half)?;

@@ -23,11 +23,7 @@ impl Policy {
 
     /// One precision for everything.
     pub const fn uniform(spec: PrecisionSpec) -> Self {
-        Policy {
-            params: spec,
-            compute: spec,
-            output: spec,
-        }
+        Policy { params: spec, compute: spec, output: spec }
     }
 
     /// Parses a policy string.
@@ -43,10 +39,7 @@ impl Policy {
     /// # Ok::<(), amp_runtime::Error>(())
     /// ```
     pub fn parse(policy: &str) -> Result<Self> {
-        let invalid = |reason: String| Error::InvalidPolicy {
-            policy: policy.to_string(),
-            reason,
-        };
+        let invalid = |reason: String| Error::InvalidPolicy { policy: policy.to_string(), reason };
         let trimmed = policy.trim();
         if trimmed.is_empty() {
             return Err(invalid("it is empty; write e.g. `params=fp32,compute=bf16,output=fp32`".into()));
@@ -58,9 +51,9 @@ impl Policy {
         let mut slots: [Option<PrecisionSpec>; 3] = [None; 3];
         for (index, item) in trimmed.split(',').enumerate() {
             let item = item.trim();
-            let (key, value) = item
-                .split_once('=')
-                .ok_or_else(|| invalid(format!("item {} (`{item}`) is not of the form key=precision", index + 1)))?;
+            let (key, value) = item.split_once('=').ok_or_else(|| {
+                invalid(format!("item {} (`{item}`) is not of the form key=precision", index + 1))
+            })?;
             let slot = match key.trim() {
                 "params" | "param" | "p" => 0,
                 "compute" | "c" => 1,
@@ -75,17 +68,11 @@ impl Policy {
             if slots[slot].is_some() {
                 return Err(invalid(format!("`{}` is given twice", ["params", "compute", "output"][slot])));
             }
-            let spec = value
-                .parse::<PrecisionSpec>()
-                .map_err(|e| invalid(format!("in `{item}`: {e}")))?;
+            let spec = value.parse::<PrecisionSpec>().map_err(|e| invalid(format!("in `{item}`: {e}")))?;
             slots[slot] = Some(spec);
         }
         let [params, compute, output] = slots.map(|s| s.unwrap_or(PrecisionSpec::Fp32));
-        Ok(Policy {
-            params,
-            compute,
-            output,
-        })
+        Ok(Policy { params, compute, output })
     }
 }
 
@@ -141,16 +128,8 @@ impl OptLevel {
         let fp32 = PrecisionSpec::Fp32;
         match self {
             OptLevel::O0 => Policy::FP32,
-            OptLevel::O1 => Policy {
-                params: fp32,
-                compute: half,
-                output: fp32,
-            },
-            OptLevel::O2 => Policy {
-                params: half,
-                compute: half,
-                output: fp32,
-            },
+            OptLevel::O1 => Policy { params: fp32, compute: half, output: fp32 },
+            OptLevel::O2 => Policy { params: half, compute: half, output: fp32 },
             OptLevel::O3 => Policy::uniform(half),
         }
     }
@@ -215,10 +194,7 @@ pub struct AmpConfig {
 impl AmpConfig {
     /// The level with the device's best half type.
     pub fn new(opt_level: OptLevel, device: &candle_core::Device) -> Self {
-        AmpConfig {
-            opt_level,
-            half: Precision::best_half_for(device),
-        }
+        AmpConfig { opt_level, half: Precision::best_half_for(device) }
     }
 
     /// The same level with `half` meaning `half`.

@@ -23,7 +23,10 @@ pub fn randn(rng: &mut StdRng, shape: &[usize], scale: f32) -> Result<Tensor> {
 /// Named random weights for a `VarBuilder::from_tensors`.
 pub fn random_weights(seed: u64, shapes: &[(&str, &[usize], f32)]) -> Result<HashMap<String, Tensor>> {
     let mut rng = StdRng::seed_from_u64(seed);
-    shapes.iter().map(|(name, shape, scale)| Ok((name.to_string(), randn(&mut rng, shape, *scale)?))).collect()
+    shapes
+        .iter()
+        .map(|(name, shape, scale)| Ok((name.to_string(), randn(&mut rng, shape, *scale)?)))
+        .collect()
 }
 
 /// `||a - b|| / ||b||` over all elements, in f64.

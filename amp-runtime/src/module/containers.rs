@@ -4,13 +4,8 @@
 use super::{AmpModule, Cursor, HalfSafe, Plan, PlanNode, Visitor, VisitorMut};
 
 impl<T: AmpModule> AmpModule for Vec<T> {
-    const PLAN: Plan = Plan {
-        type_name: "Vec",
-        node: PlanNode::Repeated {
-            container: "Vec",
-            item: &T::PLAN,
-        },
-    };
+    const PLAN: Plan =
+        Plan { type_name: "Vec", node: PlanNode::Repeated { container: "Vec", item: &T::PLAN } };
 
     fn visit(&self, cursor: &mut Cursor, visitor: &mut dyn Visitor) {
         self.as_slice().visit_items(cursor, visitor);
@@ -22,13 +17,8 @@ impl<T: AmpModule> AmpModule for Vec<T> {
 }
 
 impl<T: AmpModule, const N: usize> AmpModule for [T; N] {
-    const PLAN: Plan = Plan {
-        type_name: "array",
-        node: PlanNode::Repeated {
-            container: "array",
-            item: &T::PLAN,
-        },
-    };
+    const PLAN: Plan =
+        Plan { type_name: "array", node: PlanNode::Repeated { container: "array", item: &T::PLAN } };
 
     fn visit(&self, cursor: &mut Cursor, visitor: &mut dyn Visitor) {
         self.as_slice().visit_items(cursor, visitor);
@@ -40,13 +30,8 @@ impl<T: AmpModule, const N: usize> AmpModule for [T; N] {
 }
 
 impl<T: AmpModule> AmpModule for Option<T> {
-    const PLAN: Plan = Plan {
-        type_name: "Option",
-        node: PlanNode::Repeated {
-            container: "Option",
-            item: &T::PLAN,
-        },
-    };
+    const PLAN: Plan =
+        Plan { type_name: "Option", node: PlanNode::Repeated { container: "Option", item: &T::PLAN } };
 
     fn visit(&self, cursor: &mut Cursor, visitor: &mut dyn Visitor) {
         if let Some(inner) = self {

@@ -82,7 +82,8 @@ fn storage_label(storage: ParamStorage) -> String {
 impl fmt::Display for PrecisionPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let path_width = self.rows.iter().map(|r| r.path.len()).chain([4]).max().unwrap_or(4);
-        let header = ["path", "layer", "compute", "params stored as", "params", "fp32 bytes", "planned bytes"];
+        let header =
+            ["path", "layer", "compute", "params stored as", "params", "fp32 bytes", "planned bytes"];
         writeln!(
             f,
             "{:<path_width$}  {:<10}  {:<7}  {:<20}  {:>10}  {:>12}  {:>13}",

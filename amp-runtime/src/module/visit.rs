@@ -33,10 +33,7 @@ impl Cursor {
 
     /// Enters a named field that requests `spec` (`None`: inherit).
     pub fn push(&mut self, segment: &str, spec: Option<PrecisionSpec>) {
-        self.frames.push(Frame {
-            path_len: self.path.len(),
-            spec,
-        });
+        self.frames.push(Frame { path_len: self.path.len(), spec });
         if !self.path.is_empty() {
             self.path.push('.');
         }
@@ -46,10 +43,7 @@ impl Cursor {
     /// Enters element `index` of a container; elements inherit.
     pub fn push_index(&mut self, index: usize) {
         use std::fmt::Write;
-        self.frames.push(Frame {
-            path_len: self.path.len(),
-            spec: None,
-        });
+        self.frames.push(Frame { path_len: self.path.len(), spec: None });
         if !self.path.is_empty() {
             self.path.push('.');
         }
@@ -76,10 +70,7 @@ impl Cursor {
 
     /// The site of a layer at the current position.
     pub fn site(&self) -> LayerSite<'_> {
-        LayerSite {
-            path: &self.path,
-            requested: self.requested(),
-        }
+        LayerSite { path: &self.path, requested: self.requested() }
     }
 }
 

@@ -1,0 +1,120 @@
+//! Rules on where each attribute belongs and which ones can go together, and the error context that
+//! collects every mistake so one compile reports all of them (serde's `Ctxt`).
+
+use std::fmt::Display;
+
+use quote::ToTokens;
+
+use crate::ast::{Field, Input};
+use crate::attr::Attrs;
+
+/// Collects errors; [`Ctxt::finish`] combines them into one `syn::Error`.
+#[derive(Debug, Default)]
+#[must_use = "call `finish` to report the collected errors"]
+pub struct Ctxt {
+    errors: Option<syn::Error>,
+}
+
+impl Ctxt {
+    /// An empty context.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records an error spanning the tokens of `tokens`.
+    pub fn error_spanned_by(&mut self, tokens: impl ToTokens, message: impl Display) {
+        self.syn_error(syn::Error::new_spanned(tokens.into_token_stream(), message));
+    }
+
+    /// Records an error from `syn`.
+    pub fn syn_error(&mut self, error: syn::Error) {
+        match &mut self.errors {
+            Some(errors) => errors.combine(error),
+            None => self.errors = Some(error),
+        }
+    }
+
+    /// Every recorded error combined, or `Ok` when there were none.
+    pub fn finish(self) -> syn::Result<()> {
+        match self.errors {
+            Some(errors) => Err(errors),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Checks the rules that span more than one attribute entry.
+pub fn check(cx: &mut Ctxt, input: &Input<'_>) {
+    check_struct_attrs(cx, &input.attrs);
+    for field in &input.fields {
+        check_field_attrs(cx, field);
+    }
+    check_generic_params(cx, input.generics);
+}
+
+/// `#[amp(default = ...)]` is the only attribute of a struct.
+fn check_struct_attrs(cx: &mut Ctxt, attrs: &Attrs) {
+    if let Some(written) = &attrs.precision {
+        let token = &written.token;
+        cx.error_spanned_by(
+            token,
+            format!(
+                "`#[amp({token})]` is not expected on the struct; a struct's precision is the default of \
+                 its fields, so write `#[amp(default = {token})]`"
+            ),
+        );
+    }
+    if let Some(span) = attrs.skip {
+        cx.syn_error(syn::Error::new(
+            span,
+            "`#[amp(skip)]` is not expected on the struct; it belongs on a field that holds no layers \
+             (a dropout rate, a config); to leave this struct out of a model, put `#[amp(skip)]` on the \
+             field that holds it",
+        ));
+    }
+}
+
+/// A field is skipped, or a module with at most one precision, and has no default of its own.
+fn check_field_attrs(cx: &mut Ctxt, field: &Field<'_>) {
+    let attrs = &field.attrs;
+    if let Some(default) = &attrs.default {
+        let token = &default.token;
+        cx.error_spanned_by(
+            token,
+            format!(
+                "`#[amp(default = {token})]` is not expected on a field; it belongs on the struct, where it \
+                 sets the precision of fields without one of their own; on a field write `#[amp({token})]`"
+            ),
+        );
+    }
+    if let (Some(_), Some(written)) = (attrs.skip, &attrs.precision) {
+        let token = &written.token;
+        cx.error_spanned_by(
+            token,
+            format!(
+                "`#[amp(skip)]` and `#[amp({token})]` contradict each other: a skipped field is not a module \
+                 and has no precision; remove `#[amp({token})]` to skip the field, or `#[amp(skip)]` to \
+                 compute it in {}",
+                written.precision.name()
+            ),
+        );
+    }
+}
+
+/// Helper attributes are in scope on generic parameters too; there they would silently do nothing.
+fn check_generic_params(cx: &mut Ctxt, generics: &syn::Generics) {
+    for param in &generics.params {
+        let attrs = match param {
+            syn::GenericParam::Type(param) => &param.attrs,
+            syn::GenericParam::Lifetime(param) => &param.attrs,
+            syn::GenericParam::Const(param) => &param.attrs,
+        };
+        for attr in attrs.iter().filter(|attr| attr.path() == &crate::symbol::AMP) {
+            cx.error_spanned_by(
+                attr,
+                "`#[amp(...)]` is not expected on a generic parameter; put it on the field whose type uses \
+                 the parameter",
+            );
+        }
+    }
+}

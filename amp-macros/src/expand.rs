@@ -1,0 +1,201 @@
+//! The generated code: `AmpModule` and `HalfSafe` impls, the static plan, and spanned checks of the
+//! field types. Every runtime item is named through `::amp::__private`.
+
+use proc_macro2::{Ident, Span, TokenStream};
+use quote::{quote, quote_spanned, ToTokens};
+use syn::spanned::Spanned;
+use syn::DeriveInput;
+
+use crate::ast::{Field, Input};
+use crate::check::{self, Ctxt};
+use crate::fallback;
+use crate::symbol::Precision;
+
+/// The derive: the impls, or on error the errors beside a stub impl.
+pub fn derive(node: &DeriveInput) -> TokenStream {
+    match try_expand(node) {
+        Ok(expanded) => expanded,
+        Err(error) => fallback::expand(node, &error),
+    }
+}
+
+/// Parse, check, expand.
+pub fn try_expand(node: &DeriveInput) -> syn::Result<TokenStream> {
+    let mut cx = Ctxt::new();
+    // An enum or union is refused before any attribute is read, so `cx` is empty on that path.
+    let input = Input::from_syn(&mut cx, node)?;
+    check::check(&mut cx, &input);
+    cx.finish()?;
+    Ok(expand(&input))
+}
+
+/// The runtime path every generated item goes through.
+pub fn private() -> TokenStream {
+    quote!(::amp::__private)
+}
+
+fn expand(input: &Input<'_>) -> TokenStream {
+    let amp_module = impl_amp_module(input);
+    let half_safe = impl_half_safe(input);
+    let half_safe_checks = half_safe_checks(input);
+    quote! {
+        const _: () = {
+            #amp_module
+            #half_safe
+            #half_safe_checks
+        };
+    }
+}
+
+fn impl_amp_module(input: &Input<'_>) -> TokenStream {
+    let private = private();
+    let ident = input.ident;
+    let (impl_generics, ty_generics, _) = input.generics.split_for_impl();
+    let where_clause = where_clause(input);
+    let plan = plan(input);
+    let visits: Vec<TokenStream> = input.modules().map(|field| visit_field(field, input, false)).collect();
+    let visits_mut: Vec<TokenStream> = input.modules().map(|field| visit_field(field, input, true)).collect();
+    let unused = visits.is_empty().then(|| quote!(let _ = (__amp_cursor, __amp_visitor);));
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #private::AmpModule for #ident #ty_generics #where_clause {
+            const PLAN: #private::Plan = #plan;
+
+            fn visit(
+                &self,
+                __amp_cursor: &mut #private::Cursor,
+                __amp_visitor: &mut dyn #private::Visitor,
+            ) {
+                #unused
+                #(#visits)*
+            }
+
+            fn visit_mut(
+                &mut self,
+                __amp_cursor: &mut #private::Cursor,
+                __amp_visitor: &mut dyn #private::VisitorMut,
+            ) {
+                #unused
+                #(#visits_mut)*
+            }
+        }
+    }
+}
+
+/// The struct's where clause, plus a bound per module field whose type uses a generic parameter:
+/// `AmpModule`, and `HalfSafe` where the field's own attribute asks for a half precision.
+fn where_clause(input: &Input<'_>) -> TokenStream {
+    let private = private();
+    let written = input.generics.where_clause.iter().flat_map(|clause| clause.predicates.iter());
+    let bounds = input.modules().filter(|field| field.is_generic).map(|field| {
+        let ty = field.ty;
+        let half_safe = field.asks_half().then(|| quote!(+ #private::HalfSafe));
+        quote_spanned!(ty.span()=> #ty: #private::AmpModule #half_safe)
+    });
+    let predicates: Vec<TokenStream> = written.map(ToTokens::to_token_stream).chain(bounds).collect();
+    if predicates.is_empty() {
+        TokenStream::new()
+    } else {
+        quote!(where #(#predicates),*)
+    }
+}
+
+/// `Plan { type_name, node: PlanNode::Struct { default, fields } }`.
+fn plan(input: &Input<'_>) -> TokenStream {
+    let private = private();
+    let type_name = input.ident.to_string();
+    let default = precision(input.default());
+    let fields = input.modules().map(|field| {
+        let name = &field.name;
+        let ty = field.ty;
+        let ty_text = field.type_text();
+        let precision = precision(field.own().or(input.default()));
+        quote! {
+            #private::PlanField {
+                name: #name,
+                ty: #ty_text,
+                precision: #precision,
+                plan: &<#ty as #private::AmpModule>::PLAN,
+            }
+        }
+    });
+    quote! {
+        #private::Plan {
+            type_name: #type_name,
+            node: #private::PlanNode::Struct {
+                default: #default,
+                fields: &[#(#fields),*],
+            },
+        }
+    }
+}
+
+/// Push the field's path segment and precision, visit it, pop.
+fn visit_field(field: &Field<'_>, input: &Input<'_>, mutable: bool) -> TokenStream {
+    let private = private();
+    let name = &field.name;
+    let member = &field.member;
+    let precision = precision(field.own().or(input.default()));
+    let ty = field.ty;
+    // Named through the field's type, so that a type that is no module fails here with the same
+    // diagnostic, at the same span, as in `PLAN`, and rustc reports it once.
+    let call = if mutable {
+        quote!(<#ty as #private::AmpModule>::visit_mut(&mut self.#member, __amp_cursor, __amp_visitor);)
+    } else {
+        quote!(<#ty as #private::AmpModule>::visit(&self.#member, __amp_cursor, __amp_visitor);)
+    };
+    quote! {
+        __amp_cursor.push(#name, #precision);
+        #call
+        __amp_cursor.pop();
+    }
+}
+
+/// A composite module accepts a half request: its fp32-pinned layers stay fp32 inside it.
+fn impl_half_safe(input: &Input<'_>) -> TokenStream {
+    let private = private();
+    let ident = input.ident;
+    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    quote! {
+        #[automatically_derived]
+        #[diagnostic::do_not_recommend]
+        impl #impl_generics #private::HalfSafe for #ident #ty_generics #where_clause {}
+    }
+}
+
+/// Assertions that concrete field types with a half attribute of their own are `HalfSafe`, spanned at
+/// each type so that an fp32-pinned layer asked for a half precision is underlined in the user's code.
+/// (A field type that is no module needs no assertion: `<#ty as AmpModule>::PLAN` in the plan fails at
+/// the type's own tokens already.) Generic field types are checked by where-clause bounds instead.
+fn half_safe_checks(input: &Input<'_>) -> TokenStream {
+    let private = private();
+    let checks: Vec<TokenStream> = input
+        .modules()
+        .filter(|field| !field.is_generic && field.asks_half())
+        .map(|field| {
+            let ty = field.ty;
+            quote_spanned!(ty.span()=> __amp_assert_half_safe::<#ty>();)
+        })
+        .collect();
+    if checks.is_empty() {
+        return TokenStream::new();
+    }
+    quote! {
+        const fn __amp_assert_half_safe<__AmpT: ?::core::marker::Sized + #private::HalfSafe>() {}
+        const _: () = {
+            #(#checks)*
+        };
+    }
+}
+
+/// `Option<PrecisionSpec>` for a precision the macro knows.
+fn precision(precision: Option<Precision>) -> TokenStream {
+    let private = private();
+    match precision {
+        Some(precision) => {
+            let variant = Ident::new(precision.variant(), Span::call_site());
+            quote!(::core::option::Option::Some(#private::PrecisionSpec::#variant))
+        }
+        None => quote!(::core::option::Option::None),
+    }
+}

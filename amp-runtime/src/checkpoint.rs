@@ -1,0 +1,148 @@
+//! Checkpoints of the fp32 masters, in safetensors with candle-nn's names.
+//!
+//! A checkpoint holds the source of truth, never the rounded half working copies, so one written under O2
+//! loads into an fp32 model and back bit for bit. Loading checks every tensor before it changes any:
+//! a checkpoint with a missing, unexpected, mis-shaped or mis-typed tensor is refused whole, with every
+//! problem named.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::{AmpModule, AmpModuleExt};
+
+/// What is wrong with one tensor of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckpointProblem {
+    /// The model has this parameter; the checkpoint does not.
+    Missing {
+        /// Parameter path.
+        name: String,
+    },
+    /// The checkpoint has a tensor the model has no parameter for.
+    Unexpected {
+        /// Tensor name.
+        name: String,
+    },
+    /// Shapes differ.
+    Shape {
+        /// Parameter path.
+        name: String,
+        /// The model's shape.
+        expected: Vec<usize>,
+        /// The checkpoint's shape.
+        found: Vec<usize>,
+    },
+    /// Dtypes differ.
+    DType {
+        /// Parameter path.
+        name: String,
+        /// The model's master dtype.
+        expected: DType,
+        /// The checkpoint's dtype.
+        found: DType,
+    },
+}
+
+impl fmt::Display for CheckpointProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CheckpointProblem::Missing { name } => write!(f, "`{name}` is missing from the checkpoint"),
+            CheckpointProblem::Unexpected { name } => {
+                write!(f, "`{name}` is in the checkpoint but the model has no such parameter")
+            }
+            CheckpointProblem::Shape { name, expected, found } => {
+                write!(f, "`{name}` has shape {found:?} in the checkpoint, the model expects {expected:?}")
+            }
+            CheckpointProblem::DType { name, expected, found } => write!(
+                f,
+                "`{name}` is {found:?} in the checkpoint, amp checkpoints hold {expected:?} \
+                 masters; convert the file to f32 first"
+            ),
+        }
+    }
+}
+
+/// The problems of a refused checkpoint, one per line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointProblems(pub Vec<CheckpointProblem>);
+
+impl fmt::Display for CheckpointProblems {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for problem in &self.0 {
+            write!(f, "\n  - {problem}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Saves every parameter's master under its dotted path. Writes a temporary file beside `path` and
+/// renames it, so an interrupted save never leaves a truncated checkpoint in place.
+pub fn save<M: AmpModule + ?Sized>(model: &M, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    let tensors: HashMap<String, Tensor> = model
+        .named_params()
+        .into_iter()
+        .map(|(name, p)| Ok((name, p.master().as_tensor().to_dtype(DType::F32)?)))
+        .collect::<Result<_>>()?;
+    let tmp = path.with_extension("safetensors.partial");
+    candle_core::safetensors::save(&tensors, &tmp)
+        .map_err(|e| Error::CheckpointIo { path: path.to_path_buf(), reason: e.to_string() })?;
+    std::fs::rename(&tmp, path)
+        .map_err(|e| Error::CheckpointIo { path: path.to_path_buf(), reason: e.to_string() })
+}
+
+/// Loads masters saved by [`save`] (or by candle-nn's `VarMap::save` for the same model) and refreshes
+/// the half working copies. Nothing changes unless every tensor matches.
+pub fn load<M: AmpModule + ?Sized>(model: &mut M, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    let device = model.named_params().first().map_or(Device::Cpu, |(_, p)| p.master().device().clone());
+    let tensors = candle_core::safetensors::load(path, &device)
+        .map_err(|e| Error::CheckpointIo { path: path.to_path_buf(), reason: e.to_string() })?;
+    let params = model.named_params();
+    let problems = check(&params, &tensors);
+    if !problems.is_empty() {
+        return Err(Error::CheckpointRefused {
+            path: path.to_path_buf(),
+            problems: CheckpointProblems(problems),
+        });
+    }
+    for (name, param) in &params {
+        // Exact for fp32 masters; O3 models, which keep no fp32 copy, round into their half storage.
+        param.master().set(&tensors[name].to_dtype(param.master().dtype())?)?;
+        param.refresh_working()?;
+    }
+    Ok(())
+}
+
+fn check(params: &[(String, crate::Param)], tensors: &HashMap<String, Tensor>) -> Vec<CheckpointProblem> {
+    let mut problems = Vec::new();
+    for (name, param) in params {
+        let master = param.master();
+        let Some(tensor) = tensors.get(name) else {
+            problems.push(CheckpointProblem::Missing { name: name.clone() });
+            continue;
+        };
+        if tensor.dims() != master.dims() {
+            problems.push(CheckpointProblem::Shape {
+                name: name.clone(),
+                expected: master.dims().to_vec(),
+                found: tensor.dims().to_vec(),
+            });
+        } else if tensor.dtype() != DType::F32 {
+            problems.push(CheckpointProblem::DType {
+                name: name.clone(),
+                expected: DType::F32,
+                found: tensor.dtype(),
+            });
+        }
+    }
+    let known: BTreeSet<&str> = params.iter().map(|(name, _)| name.as_str()).collect();
+    let mut unexpected: Vec<&String> = tensors.keys().filter(|name| !known.contains(name.as_str())).collect();
+    unexpected.sort();
+    problems.extend(unexpected.into_iter().map(|name| CheckpointProblem::Unexpected { name: name.clone() }));
+    problems
+}

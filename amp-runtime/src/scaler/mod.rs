@@ -1,0 +1,212 @@
+//! Loss scaling: keeps fp16 gradients out of the underflow range and skips steps whose gradients
+//! overflowed, so that nothing non-finite ever reaches the weights.
+//!
+//! The step protocol ([`GradScaler::step`] does all of it):
+//! 1. check the loss is finite (a NaN loss is the model's problem, reported as such, not fp16's);
+//! 2. backward on `loss * scale`;
+//! 3. unscale every gradient in place and look for inf/NaN in the same pass (one multi-tensor kernel);
+//! 4. apply the optimizer, or skip it, leaving every weight and state bit-identical;
+//! 5. update the scale (back off on overflow, grow after `growth_interval` clean steps).
+//!
+//! Models without fp16 (bf16 or fp32 only) need none of this: [`GradScaler::for_model`] then makes a
+//! disabled scaler whose scale is 1 and which multiplies nothing; it can still guard against non-finite
+//! gradients with one read-only pass ([`GradScaler::with_finite_guard`]).
+
+mod config;
+mod report;
+mod state;
+
+pub use config::{AtScaleFloor, ScalerConfig};
+pub use report::{SkipReason, StepReport};
+pub use state::{ScaleChange, ScaleState};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor};
+
+use crate::error::{Error, Result};
+use crate::{AmpModule, AmpModuleExt};
+
+/// A dynamic or static loss scaler (PyTorch's `GradScaler`, Apex's `LossScaler`).
+#[derive(Clone, Debug)]
+pub struct GradScaler {
+    config: ScalerConfig,
+    state: ScaleState,
+    enabled: bool,
+    finite_guard: bool,
+    log: report::SkipLog,
+}
+
+/// The result of [`GradScaler::unscale`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unscaled {
+    /// Path of the first parameter (in model order) whose gradient is not finite, if any.
+    pub first_non_finite: Option<String>,
+}
+
+impl GradScaler {
+    /// An enabled scaler.
+    pub fn new(config: ScalerConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(GradScaler {
+            state: ScaleState::new(&config),
+            config,
+            enabled: true,
+            finite_guard: true,
+            log: report::SkipLog::new(1000),
+        })
+    }
+
+    /// A scaler that does nothing: scale 1, no unscale pass, no check unless
+    /// [`with_finite_guard`](Self::with_finite_guard) turns the read-only check on.
+    pub fn disabled() -> Self {
+        let config = ScalerConfig::fixed(1.0);
+        GradScaler {
+            state: ScaleState::new(&config),
+            config,
+            enabled: false,
+            finite_guard: false,
+            log: report::SkipLog::new(1000),
+        }
+    }
+
+    /// Enabled when some layer of `model` computes in fp16 now (after `amp::initialize`), disabled
+    /// otherwise (bf16 and fp32 have fp32's range).
+    pub fn for_model<M: AmpModule + ?Sized>(model: &M, config: ScalerConfig) -> Result<Self> {
+        if model.precision_plan().computes_in_fp16() {
+            GradScaler::new(config)
+        } else {
+            Ok(GradScaler::disabled())
+        }
+    }
+
+    /// Turns the read-only non-finite check of a disabled scaler on or off (enabled scalers always check).
+    pub fn with_finite_guard(mut self, on: bool) -> Self {
+        self.finite_guard = on || self.enabled;
+        self
+    }
+
+    /// Logs a summary of skips at most once per `steps` steps (default 1000).
+    pub fn with_summary_every(mut self, steps: u64) -> Self {
+        self.log = report::SkipLog::new(steps);
+        self
+    }
+
+    /// True when the scaler multiplies and unscales.
+    pub fn is_enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The current loss scale (1 when disabled).
+    pub fn scale(&self) -> f32 {
+        self.state.scale
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ScalerConfig {
+        &self.config
+    }
+
+    /// The evolving state (scale, trackers, counts).
+    pub fn state(&self) -> &ScaleState {
+        &self.state
+    }
+
+    /// `loss * scale` in f32, to call `backward` on. The loss itself when disabled.
+    pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
+        if !self.enabled {
+            return Ok(loss.clone());
+        }
+        Ok((loss.to_dtype(DType::F32)? * f64::from(self.state.scale))?)
+    }
+
+    /// Prepares the gradients of `model` for an optimizer that steps the fp32 masters: re-keys the
+    /// gradients of half working copies onto their masters, widened to f32 (exact), then divides every
+    /// gradient by the scale in place in one multi-tensor pass that also finds inf/NaN. Unscaling
+    /// happens in f32, never in fp16, where small unscaled gradients would flush to zero. A disabled
+    /// scaler re-keys and, when guarded, only checks. Parameters without a gradient are ignored.
+    pub fn unscale<M: AmpModule + ?Sized>(&self, model: &M, grads: &mut GradStore) -> Result<Unscaled> {
+        crate::grads_to_masters(model, grads)?;
+        let params = model.named_params();
+        let present: Vec<(&str, &Tensor)> = params
+            .iter()
+            .filter_map(|(path, p)| grads.get(p.master().as_tensor()).map(|g| (path.as_str(), g)))
+            .collect();
+        let tensors: Vec<&Tensor> = present.iter().map(|(_, g)| *g).collect();
+        let first = if self.enabled {
+            let inv_scale = 1.0 / self.state.scale;
+            let hits = crate::storage::for_each_batch_mut(&tensors, |s| {
+                amp_kernels::unscale::unscale_and_check(s, inv_scale)
+            })?;
+            first_hit(&hits, crate::storage::BATCH)
+        } else if self.finite_guard {
+            crate::storage::with_slices(&tensors, amp_kernels::unscale::find_non_finite)?
+        } else {
+            None
+        };
+        Ok(Unscaled { first_non_finite: first.map(|i| present[i].0.to_string()) })
+    }
+
+    /// Records a step's outcome and moves the scale. `skipped` is `None` when the optimizer was applied.
+    /// Fails with [`Error::ScaleAtFloor`] when non-finite values persist at the minimum scale and the
+    /// config says to stop.
+    pub fn update(&mut self, skipped: Option<SkipReason>) -> Result<StepReport> {
+        let scale_before = self.state.scale;
+        let warmup = skipped.is_some() && self.state.applied == 0;
+        let change = self.state.update(skipped.is_some(), &self.config);
+        let report = StepReport {
+            step: self.state.steps,
+            skipped,
+            scale_before,
+            scale_after: self.state.scale,
+            change,
+            warmup,
+        };
+        self.log.record(&report);
+        if self.enabled && ScaleState::must_stop(change, &self.config) {
+            let what = match &report.skipped {
+                Some(SkipReason::GradientOverflow { param }) => format!("gradient of `{param}`"),
+                _ => "the loss".to_string(),
+            };
+            return Err(Error::ScaleAtFloor { step: report.step, scale: report.scale_after, what });
+        }
+        Ok(report)
+    }
+
+    /// One whole step: checks the loss, backward on the scaled loss, unscale and check, then `apply`
+    /// (your optimizer's step over `model.master_vars()` with the unscaled f32 gradients) and the refresh
+    /// of the half working copies, only when everything is finite; then the scale update. A skipped step
+    /// calls nothing and changes no weight.
+    pub fn step<M: AmpModule + ?Sized>(
+        &mut self,
+        model: &M,
+        loss: &Tensor,
+        apply: impl FnOnce(&mut GradStore) -> Result<()>,
+    ) -> Result<StepReport> {
+        let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        if !value.is_finite() {
+            return self.update(Some(SkipReason::NonFiniteLoss));
+        }
+        let mut grads = self.scale_loss(loss)?.backward()?;
+        let unscaled = self.unscale(model, &mut grads)?;
+        if let Some(param) = unscaled.first_non_finite {
+            return self.update(Some(SkipReason::GradientOverflow { param }));
+        }
+        apply(&mut grads)?;
+        crate::refresh_working_copies(model)?;
+        self.update(None)
+    }
+
+    /// Restores a state saved from [`state`](Self::state) and [`config`](Self::config): the run goes on
+    /// exactly as if uninterrupted.
+    pub fn load_state(&mut self, config: ScalerConfig, state: ScaleState) -> Result<()> {
+        config.validate()?;
+        self.config = config;
+        self.state = state;
+        Ok(())
+    }
+}
+
+/// The global index of the first hit over batches of `batch` tensors.
+fn first_hit(hits: &[Option<usize>], batch: usize) -> Option<usize> {
+    hits.iter().enumerate().find_map(|(b, hit)| hit.map(|i| b * batch + i))
+}

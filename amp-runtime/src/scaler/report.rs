@@ -1,0 +1,119 @@
+//! What a scaler step did, and rate-limited logging of skips.
+
+use std::fmt;
+
+use super::state::ScaleChange;
+
+/// Why a step was skipped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SkipReason {
+    /// A gradient held inf or NaN: an fp16 range problem, cured by a smaller scale.
+    GradientOverflow {
+        /// Path of the first parameter (in model order) whose gradient was not finite.
+        param: String,
+    },
+    /// The loss itself was inf or NaN before scaling: not a range problem of fp16 but of the model or
+    /// the data (a diverged model, a log of 0, a bad batch). The scale still backs off.
+    NonFiniteLoss,
+}
+
+/// The result of one optimizer step through the scaler.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReport {
+    /// 1-based count of steps taken by this scaler.
+    pub step: u64,
+    /// `None` when the step was applied, else why it was skipped.
+    pub skipped: Option<SkipReason>,
+    /// The scale the gradients carried.
+    pub scale_before: f32,
+    /// The scale for the next step.
+    pub scale_after: f32,
+    /// How the scale moved.
+    pub change: ScaleChange,
+    /// True for skips before the first applied step: the dynamic scale starts high on purpose and
+    /// settles by backing off, so these are expected.
+    pub warmup: bool,
+}
+
+impl StepReport {
+    /// True when the optimizer updated the weights. A learning-rate schedule should advance only then.
+    pub fn applied(&self) -> bool {
+        self.skipped.is_none()
+    }
+}
+
+impl fmt::Display for StepReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.skipped {
+            None => write!(f, "step {} applied", self.step)?,
+            Some(SkipReason::GradientOverflow { param }) => {
+                write!(f, "step {} skipped: non-finite gradient, first in `{param}`", self.step)?
+            }
+            Some(SkipReason::NonFiniteLoss) => {
+                write!(f, "step {} skipped: the loss is not finite", self.step)?
+            }
+        }
+        if self.warmup {
+            write!(f, " (warm-up, expected)")?;
+        }
+        write!(f, "; scale {} -> {}", self.scale_before, self.scale_after)
+    }
+}
+
+/// Counts skips and logs a summary at most once per `every` steps, never once per skip.
+#[derive(Clone, Debug)]
+pub(crate) struct SkipLog {
+    every: u64,
+    window_start: u64,
+    skips: u64,
+    warmup_skips: u64,
+    last: Option<SkipReason>,
+}
+
+impl SkipLog {
+    pub(crate) fn new(every: u64) -> Self {
+        SkipLog { every: every.max(1), window_start: 0, skips: 0, warmup_skips: 0, last: None }
+    }
+
+    pub(crate) fn record(&mut self, report: &StepReport) {
+        match (&report.skipped, report.warmup) {
+            (Some(_), true) => {
+                self.warmup_skips += 1;
+                tracing::debug!("{report}");
+            }
+            (Some(reason), false) => {
+                self.skips += 1;
+                self.last = Some(reason.clone());
+            }
+            (None, _) if self.warmup_skips > 0 => {
+                tracing::info!(
+                    "loss scale settled at {} after {} warm-up skips (expected)",
+                    report.scale_after,
+                    self.warmup_skips
+                );
+                self.warmup_skips = 0;
+            }
+            (None, _) => {}
+        }
+        if report.change == ScaleChange::AtFloor {
+            tracing::warn!("{report}: the scale is at its floor and cannot remove this non-finite value");
+        }
+        if report.step - self.window_start >= self.every {
+            if self.skips > 0 {
+                let last = match &self.last {
+                    Some(SkipReason::GradientOverflow { param }) => format!("last in `{param}`"),
+                    Some(SkipReason::NonFiniteLoss) => "last from a non-finite loss".to_string(),
+                    None => String::new(),
+                };
+                tracing::warn!(
+                    "{} of the last {} steps skipped for non-finite values ({last}); loss scale now {}",
+                    self.skips,
+                    report.step - self.window_start,
+                    report.scale_after
+                );
+            }
+            self.window_start = report.step;
+            self.skips = 0;
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! Scalar reference optimizer steps, written from the formulas in [`crate::optim`]'s modules: f32
+//! arithmetic with one rounding per operation (bit-exact oracle), and Adam in f64 (formula check).
+
+use super::{get, set_half};
+use crate::optim::{AdamParams, AdamTensor, LambParams, LambTensor, SgdParams, SgdTensor, TensorNorms};
+
+/// `(1 - beta1^t, 1 - beta2^t)` in f64, or `(1, 1)` without bias correction.
+fn bias_corrections(beta1: f64, beta2: f64, step: u64, on: bool) -> (f64, f64) {
+    if on {
+        let t = step as f64;
+        (1.0 - beta1.powf(t), 1.0 - beta2.powf(t))
+    } else {
+        (1.0, 1.0)
+    }
+}
+
+/// Reference [`crate::optim::adam_step`], element by element in f32.
+pub fn adam_step(tensors: &mut [AdamTensor<'_>], hp: &AdamParams, inv_grad_scale: f32) {
+    let (bc1, bc2) = bias_corrections(hp.beta1, hp.beta2, hp.step, hp.bias_correction);
+    let step_size = (hp.lr / bc1) as f32;
+    let bc2_sqrt = bc2.sqrt() as f32;
+    let (beta2, eps, wd) = (hp.beta2 as f32, hp.eps as f32, hp.weight_decay as f32);
+    let (one_minus_beta1, one_minus_beta2) = ((1.0 - hp.beta1) as f32, (1.0 - hp.beta2) as f32);
+    let decay = (1.0 - hp.lr * hp.weight_decay) as f32;
+    for t in tensors {
+        for i in 0..t.master.len() {
+            let mut g = get(t.grad, i) * inv_grad_scale;
+            let mut p = t.master[i];
+            if hp.weight_decay != 0.0 {
+                if hp.decoupled_weight_decay {
+                    p *= decay;
+                } else {
+                    g += wd * p;
+                }
+            }
+            let m = t.exp_avg[i];
+            let m = m + one_minus_beta1 * (g - m);
+            let v = t.exp_avg_sq[i] * beta2 + (one_minus_beta2 * g) * g;
+            t.exp_avg[i] = m;
+            t.exp_avg_sq[i] = v;
+            let v_eff = match t.max_exp_avg_sq.as_deref_mut() {
+                Some(vmax) => {
+                    vmax[i] = if vmax[i] > v { vmax[i] } else { v };
+                    vmax[i]
+                }
+                None => v,
+            };
+            let denom = v_eff.sqrt() / bc2_sqrt + eps;
+            p -= (step_size * m) / denom;
+            t.master[i] = p;
+            if let Some(w) = t.working.as_mut() {
+                set_half(w, i, p);
+            }
+        }
+    }
+}
+
+/// Adam / AdamW on one tensor entirely in f64 (state in f64 too), to check the f32 kernels' formulas
+/// within a rounding tolerance. `vmax` is used exactly when `hp.amsgrad`.
+pub fn adam_step_f64(
+    p: &mut [f64],
+    g: &[f64],
+    m: &mut [f64],
+    v: &mut [f64],
+    mut vmax: Option<&mut [f64]>,
+    hp: &AdamParams,
+    inv_grad_scale: f64,
+) {
+    let (bc1, bc2) = bias_corrections(hp.beta1, hp.beta2, hp.step, hp.bias_correction);
+    for i in 0..p.len() {
+        let mut gi = g[i] * inv_grad_scale;
+        if hp.decoupled_weight_decay {
+            p[i] *= 1.0 - hp.lr * hp.weight_decay;
+        } else {
+            gi += hp.weight_decay * p[i];
+        }
+        m[i] = hp.beta1 * m[i] + (1.0 - hp.beta1) * gi;
+        v[i] = hp.beta2 * v[i] + (1.0 - hp.beta2) * gi * gi;
+        let v_eff = match vmax.as_deref_mut() {
+            Some(x) if hp.amsgrad => {
+                x[i] = x[i].max(v[i]);
+                x[i]
+            }
+            _ => v[i],
+        };
+        p[i] -= hp.lr / bc1 * m[i] / (v_eff.sqrt() / bc2.sqrt() + hp.eps);
+    }
+}
+
+/// Reference [`crate::optim::sgd_step`], element by element in f32.
+pub fn sgd_step(tensors: &mut [SgdTensor<'_>], hp: &SgdParams, inv_grad_scale: f32) {
+    let (lr, wd, mom) = (hp.lr as f32, hp.weight_decay as f32, hp.momentum as f32);
+    let one_minus_dampening = (1.0 - hp.dampening) as f32;
+    for t in tensors {
+        for i in 0..t.master.len() {
+            let mut d = get(t.grad, i) * inv_grad_scale;
+            if hp.weight_decay != 0.0 {
+                d += wd * t.master[i];
+            }
+            if let Some(buf) = t.momentum_buffer.as_deref_mut() {
+                buf[i] = if hp.first_step { d } else { buf[i] * mom + one_minus_dampening * d };
+                d = if hp.nesterov { d + mom * buf[i] } else { buf[i] };
+            }
+            t.master[i] -= lr * d;
+            if let Some(w) = t.working.as_mut() {
+                set_half(w, i, t.master[i]);
+            }
+        }
+    }
+}
+
+/// Reference [`crate::optim::lamb_step`]: moments and norms (sequential f64 sums), then the update with
+/// the trust ratio, element by element in f32.
+pub fn lamb_step(
+    tensors: &mut [LambTensor<'_>],
+    hp: &LambParams,
+    inv_grad_scale: f32,
+    norms: &mut [TensorNorms],
+) {
+    let (bc1, bc2) = bias_corrections(hp.beta1, hp.beta2, hp.step, hp.bias_correction);
+    let (bc1, bc2) = (bc1 as f32, bc2 as f32);
+    let (beta1, beta2, eps, wd) = (hp.beta1 as f32, hp.beta2 as f32, hp.eps as f32, hp.weight_decay as f32);
+    let beta3 = if hp.grad_averaging { (1.0 - hp.beta1) as f32 } else { 1.0 };
+    let one_minus_beta2 = (1.0 - hp.beta2) as f32;
+    let has_wd = hp.weight_decay != 0.0;
+    let update = |p: f32, m: f32, v: f32| {
+        let u = (m / bc1) / ((v / bc2).sqrt() + eps);
+        if hp.decoupled_weight_decay && has_wd {
+            u + wd * p
+        } else {
+            u
+        }
+    };
+    let lr = hp.lr as f32;
+    for (t, norm) in tensors.iter_mut().zip(norms) {
+        let (mut sum_p, mut sum_u) = (0f64, 0f64);
+        for i in 0..t.master.len() {
+            let p = t.master[i];
+            let mut g = get(t.grad, i) * inv_grad_scale;
+            if !hp.decoupled_weight_decay && has_wd {
+                g += wd * p;
+            }
+            let m = t.exp_avg[i] * beta1 + beta3 * g;
+            let v = t.exp_avg_sq[i] * beta2 + (one_minus_beta2 * g) * g;
+            t.exp_avg[i] = m;
+            t.exp_avg_sq[i] = v;
+            sum_p += f64::from(p) * f64::from(p);
+            sum_u += f64::from(update(p, m, v)).powi(2);
+        }
+        *norm = TensorNorms { param: sum_p.sqrt() as f32, update: sum_u.sqrt() as f32 };
+        let adapt = (hp.always_adapt || has_wd) && norm.param != 0.0 && norm.update != 0.0;
+        let ratio = if adapt { lr * (norm.param / norm.update) } else { lr };
+        for i in 0..t.master.len() {
+            let p = t.master[i];
+            t.master[i] = p - ratio * update(p, t.exp_avg[i], t.exp_avg_sq[i]);
+            if let Some(w) = t.working.as_mut() {
+                set_half(w, i, t.master[i]);
+            }
+        }
+    }
+}

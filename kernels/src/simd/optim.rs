@@ -1,0 +1,194 @@
+//! AVX2 optimizer kernels over one piece of one tensor. Same f32 operations, in the same order, as the
+//! portable kernels in `crate::portable::optim`; see the formulas in [`crate::optim`]'s modules.
+//!
+//! Optional arrays (amsgrad maximum, momentum buffer, working copy) travel as possibly-null pointers,
+//! tested once per 8 elements (a perfectly predicted branch). Tails run the same 8-lane code on
+//! zero-padded stack copies; padding lanes are discarded. LAMB is in `super::lamb`.
+
+use std::arch::x86_64::{
+    __m256, _mm256_add_ps, _mm256_div_ps, _mm256_loadu_ps, _mm256_max_ps, _mm256_mul_ps, _mm256_set1_ps,
+    _mm256_sqrt_ps, _mm256_storeu_ps, _mm256_sub_ps,
+};
+use std::ptr::null_mut;
+
+use super::{offset, opt_ptr, pad, unpad, Elem, W};
+use crate::optim::{AdamConsts, AdamSlices, SgdConsts, SgdSlices};
+
+// ---- Adam ----------------------------------------------------------------------------------------
+
+struct AdamV {
+    inv_scale: __m256,
+    weight_decay: __m256,
+    decay: __m256,
+    one_minus_beta1: __m256,
+    beta2: __m256,
+    one_minus_beta2: __m256,
+    bias_correction2_sqrt: __m256,
+    eps: __m256,
+    step_size: __m256,
+    l2: bool,
+}
+
+#[inline(always)]
+unsafe fn adam8<G: Elem, Wk: Elem>(
+    k: &AdamV,
+    (p, g, m, v): (*mut f32, *const G, *mut f32, *mut f32),
+    vmax: *mut f32,
+    w: *mut Wk,
+) {
+    // SAFETY: caller guarantees AVX2/FMA/F16C and 8 valid elements behind every non-null pointer.
+    unsafe {
+        let mut gv = _mm256_mul_ps(G::load8(g), k.inv_scale);
+        let mut pv = _mm256_loadu_ps(p);
+        if k.l2 {
+            gv = _mm256_add_ps(gv, _mm256_mul_ps(k.weight_decay, pv));
+        }
+        pv = _mm256_mul_ps(pv, k.decay);
+        let mv = _mm256_loadu_ps(m);
+        let mv = _mm256_add_ps(mv, _mm256_mul_ps(k.one_minus_beta1, _mm256_sub_ps(gv, mv)));
+        let vv = _mm256_mul_ps(_mm256_loadu_ps(v), k.beta2);
+        let vv = _mm256_add_ps(vv, _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, gv), gv));
+        _mm256_storeu_ps(m, mv);
+        _mm256_storeu_ps(v, vv);
+        let veff = if vmax.is_null() {
+            vv
+        } else {
+            // max(vmax, v): vmax if vmax > v, else v (so a NaN v propagates).
+            let x = _mm256_max_ps(_mm256_loadu_ps(vmax), vv);
+            _mm256_storeu_ps(vmax, x);
+            x
+        };
+        let denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(veff), k.bias_correction2_sqrt), k.eps);
+        pv = _mm256_sub_ps(pv, _mm256_div_ps(_mm256_mul_ps(k.step_size, mv), denom));
+        _mm256_storeu_ps(p, pv);
+        if !w.is_null() {
+            Wk::store8(w, pv);
+        }
+    }
+}
+
+/// One Adam / AdamW step on one piece.
+///
+/// # Safety
+/// AVX2, FMA and F16C available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn adam<G: Elem, Wk: Elem>(s: AdamSlices<'_, G, Wk>, c: &AdamConsts) {
+    let k = AdamV {
+        inv_scale: _mm256_set1_ps(c.inv_scale),
+        weight_decay: _mm256_set1_ps(c.weight_decay),
+        decay: _mm256_set1_ps(c.decay),
+        one_minus_beta1: _mm256_set1_ps(c.one_minus_beta1),
+        beta2: _mm256_set1_ps(c.beta2),
+        one_minus_beta2: _mm256_set1_ps(c.one_minus_beta2),
+        bias_correction2_sqrt: _mm256_set1_ps(c.bias_correction2_sqrt),
+        eps: _mm256_set1_ps(c.eps),
+        step_size: _mm256_set1_ps(c.step_size),
+        l2: c.l2,
+    };
+    let AdamSlices { p, g, m, v, mut vmax, mut w } = s;
+    let n = p.len();
+    let body = n - n % W;
+    let base = (p.as_mut_ptr(), g.as_ptr(), m.as_mut_ptr(), v.as_mut_ptr());
+    let xp = vmax.as_deref_mut().map_or(null_mut(), <[f32]>::as_mut_ptr);
+    let wp = w.as_deref_mut().map_or(null_mut(), <[Wk]>::as_mut_ptr);
+    for i in (0..body).step_by(W) {
+        // SAFETY: i + 8 <= body <= n, the length of every slice.
+        unsafe {
+            let at = (base.0.add(i), base.1.add(i), base.2.add(i), base.3.add(i));
+            adam8(&k, at, offset(xp, i), offset(wp, i));
+        }
+    }
+    if body < n {
+        let (mut tp, tg, mut tm, mut tv) =
+            (pad(&p[body..]), pad(&g[body..]), pad(&m[body..]), pad(&v[body..]));
+        let mut tx = vmax.as_deref().map(|x| pad(&x[body..]));
+        let mut tw = w.as_deref().map(|x| pad(&x[body..]));
+        let at = (tp.as_mut_ptr(), tg.as_ptr(), tm.as_mut_ptr(), tv.as_mut_ptr());
+        // SAFETY: stack buffers of 8.
+        unsafe { adam8(&k, at, opt_ptr(&mut tx), opt_ptr(&mut tw)) };
+        let r = n - body;
+        p[body..].copy_from_slice(&tp[..r]);
+        m[body..].copy_from_slice(&tm[..r]);
+        v[body..].copy_from_slice(&tv[..r]);
+        unpad(vmax.map(|x| &mut x[body..]), tx);
+        unpad(w.map(|x| &mut x[body..]), tw);
+    }
+}
+
+// ---- SGD -----------------------------------------------------------------------------------------
+
+struct SgdV {
+    inv_scale: __m256,
+    weight_decay: __m256,
+    momentum: __m256,
+    one_minus_dampening: __m256,
+    lr: __m256,
+    l2: bool,
+    first: bool,
+    nesterov: bool,
+}
+
+#[inline(always)]
+unsafe fn sgd8<G: Elem, Wk: Elem>(k: &SgdV, p: *mut f32, g: *const G, buf: *mut f32, w: *mut Wk) {
+    // SAFETY: caller guarantees AVX2/FMA/F16C and 8 valid elements behind every non-null pointer.
+    unsafe {
+        let mut d = _mm256_mul_ps(G::load8(g), k.inv_scale);
+        let mut pv = _mm256_loadu_ps(p);
+        if k.l2 {
+            d = _mm256_add_ps(d, _mm256_mul_ps(k.weight_decay, pv));
+        }
+        if !buf.is_null() {
+            let b = if k.first {
+                d
+            } else {
+                let kept = _mm256_mul_ps(_mm256_loadu_ps(buf), k.momentum);
+                _mm256_add_ps(kept, _mm256_mul_ps(k.one_minus_dampening, d))
+            };
+            _mm256_storeu_ps(buf, b);
+            d = if k.nesterov { _mm256_add_ps(d, _mm256_mul_ps(k.momentum, b)) } else { b };
+        }
+        pv = _mm256_sub_ps(pv, _mm256_mul_ps(k.lr, d));
+        _mm256_storeu_ps(p, pv);
+        if !w.is_null() {
+            Wk::store8(w, pv);
+        }
+    }
+}
+
+/// One SGD step on one piece.
+///
+/// # Safety
+/// AVX2, FMA and F16C available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sgd<G: Elem, Wk: Elem>(s: SgdSlices<'_, G, Wk>, c: &SgdConsts) {
+    let k = SgdV {
+        inv_scale: _mm256_set1_ps(c.inv_scale),
+        weight_decay: _mm256_set1_ps(c.weight_decay),
+        momentum: _mm256_set1_ps(c.momentum),
+        one_minus_dampening: _mm256_set1_ps(c.one_minus_dampening),
+        lr: _mm256_set1_ps(c.lr),
+        l2: c.l2,
+        first: c.first,
+        nesterov: c.nesterov,
+    };
+    let SgdSlices { p, g, mut buf, mut w } = s;
+    let n = p.len();
+    let body = n - n % W;
+    let (pp, gp) = (p.as_mut_ptr(), g.as_ptr());
+    let bp = buf.as_deref_mut().map_or(null_mut(), <[f32]>::as_mut_ptr);
+    let wp = w.as_deref_mut().map_or(null_mut(), <[Wk]>::as_mut_ptr);
+    for i in (0..body).step_by(W) {
+        // SAFETY: i + 8 <= body <= n, the length of every slice.
+        unsafe { sgd8(&k, pp.add(i), gp.add(i), offset(bp, i), offset(wp, i)) };
+    }
+    if body < n {
+        let (mut tp, tg) = (pad(&p[body..]), pad(&g[body..]));
+        let mut tb = buf.as_deref().map(|x| pad(&x[body..]));
+        let mut tw = w.as_deref().map(|x| pad(&x[body..]));
+        // SAFETY: stack buffers of 8.
+        unsafe { sgd8(&k, tp.as_mut_ptr(), tg.as_ptr(), opt_ptr(&mut tb), opt_ptr(&mut tw)) };
+        p[body..].copy_from_slice(&tp[..n - body]);
+        unpad(buf.map(|x| &mut x[body..]), tb);
+        unpad(w.map(|x| &mut x[body..]), tw);
+    }
+}

@@ -1,0 +1,59 @@
+//! Under O1 a weight used twice in one step is cast once while a `CastCache` is alive, with the same
+//! forward result as without the cache. The gradient differs by rounding only: with one shared cast
+//! node, backward sums the two uses' contributions in bf16 before widening to f32 (as PyTorch's
+//! autocast cache does); without the cache each is widened first and summed in f32. One extra bf16
+//! rounding of the sum bounds the difference by u = 2^-8 relative per element, 2^-7 normwise with margin.
+
+mod common;
+
+use amp::nn::{linear, Linear};
+use amp::{AmpConfig, AmpModule, AmpModuleExt, CastCache, OptLevel};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+#[derive(AmpModule)]
+struct Shared {
+    fc: Linear,
+}
+
+impl Module for Shared {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        // The same layer applied twice: its weight and bias are cast twice per step without the cache.
+        self.fc.forward(&self.fc.forward(x)?.tanh()?)
+    }
+}
+
+fn loss_and_grad(model: &Shared, x: &Tensor) -> candle_core::Result<(f32, Vec<f32>)> {
+    let loss = model.forward(x)?.sqr()?.sum_all()?;
+    let grads = loss.backward()?;
+    let weight = model.fc.weight().trainable();
+    let grad = grads.get(weight.as_tensor()).expect("the weight has a gradient");
+    Ok((loss.to_scalar()?, grad.flatten_all()?.to_vec1()?))
+}
+
+#[test]
+fn a_reused_weight_is_cast_once_per_step() -> amp::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let mut model = Shared { fc: linear(8, 8, vb.pp("fc"))? };
+    amp::initialize(&mut model, AmpConfig::new(OptLevel::O1, &Device::Cpu))?;
+    let x = Tensor::ones((4, 8), DType::F32, &Device::Cpu)?;
+
+    let uncached = loss_and_grad(&model, &x)?;
+    let cache = CastCache::enter();
+    let cached = loss_and_grad(&model, &x)?;
+    assert_eq!(cache.hits(), 2, "weight and bias served from the cache on the second use");
+    drop(cache);
+    assert_eq!(cached.0, uncached.0, "forward is identical");
+    let (a, b) =
+        (Tensor::new(cached.1.as_slice(), &Device::Cpu)?, Tensor::new(uncached.1.as_slice(), &Device::Cpu)?);
+    let err = common::relative_error(&a, &b)?;
+    assert!(err < 2f64.powi(-7), "gradient differs by {err:.2e}");
+
+    // Dropping the guard forgets the casts: a changed weight is seen by the next step.
+    model.fc.weight().master().set(&model.fc.weight().master().as_tensor().zeros_like()?)?;
+    let after = loss_and_grad(&model, &x)?;
+    assert_ne!(after.0, uncached.0);
+    assert_eq!(model.precision_plan().rows[0].compute, amp::Precision::Bf16);
+    Ok(())
+}

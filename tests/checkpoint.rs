@@ -1,0 +1,131 @@
+//! Checkpoints hold fp32 masters with candle-nn's names: an O2 checkpoint loads into an fp32 model and
+//! back bit for bit, and a bad checkpoint is refused whole, naming every problem, with the model unchanged.
+
+mod common;
+
+use std::collections::HashMap;
+
+use amp::nn::{layer_norm, linear, LayerNorm, Linear};
+use amp::{AmpConfig, AmpModule, AmpModuleExt, OptLevel};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+#[derive(AmpModule)]
+struct Net {
+    #[amp(fp32)]
+    norm: LayerNorm,
+    hidden: Linear,
+    #[amp(fp16)]
+    out: Linear,
+}
+
+fn net(varmap: &VarMap) -> candle_core::Result<Net> {
+    let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
+    Ok(Net {
+        norm: layer_norm(6, 1e-5, vb.pp("norm"))?,
+        hidden: linear(6, 12, vb.pp("hidden"))?,
+        out: linear(12, 3, vb.pp("out"))?,
+    })
+}
+
+fn masters(model: &Net) -> Vec<(String, Vec<u32>)> {
+    model
+        .named_params()
+        .into_iter()
+        .map(|(name, p)| {
+            let bits = p.master().as_tensor().flatten_all().and_then(|t| t.to_vec1::<f32>());
+            (name, bits.map(|v| v.iter().map(|x| x.to_bits()).collect()).unwrap_or_default())
+        })
+        .collect()
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("amp-test-{}-{name}.safetensors", std::process::id()))
+}
+
+#[test]
+fn o2_checkpoint_round_trips_through_an_fp32_model_bit_for_bit() -> amp::Result<()> {
+    let cpu = Device::Cpu;
+    let mut o2 = net(&VarMap::new())?;
+    amp::initialize(&mut o2, AmpConfig::new(OptLevel::O2, &cpu))?;
+    // Give the masters values that half precision cannot hold exactly.
+    for (_, p) in o2.named_params() {
+        let noisy = (p.master().as_tensor() * (1.0 + 1e-6))?;
+        p.master().set(&noisy)?;
+        p.refresh_working()?;
+    }
+    let original = masters(&o2);
+    let first = tmp("o2");
+    amp::checkpoint::save(&o2, &first)?;
+
+    let mut fp32 = net(&VarMap::new())?;
+    amp::checkpoint::load(&mut fp32, &first)?;
+    assert_eq!(masters(&fp32), original, "fp32 model holds the O2 masters exactly");
+    let second = tmp("fp32");
+    amp::checkpoint::save(&fp32, &second)?;
+
+    let mut back = net(&VarMap::new())?;
+    amp::initialize(&mut back, AmpConfig::new(OptLevel::O2, &cpu))?;
+    amp::checkpoint::load(&mut back, &second)?;
+    assert_eq!(masters(&back), original, "O2 -> fp32 -> O2 keeps the masters bit-identical");
+    for (name, p) in back.named_params() {
+        if let Some(working) = p.working() {
+            let expected = p.master().as_tensor().to_dtype(working.dtype())?;
+            let diff = (working.as_tensor().to_dtype(DType::F32)? - expected.to_dtype(DType::F32)?)?;
+            assert_eq!(diff.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0, "{name}: working copy refreshed");
+        }
+    }
+    std::fs::remove_file(first).ok();
+    std::fs::remove_file(second).ok();
+    Ok(())
+}
+
+#[test]
+fn candle_nn_varmap_checkpoints_load() -> amp::Result<()> {
+    let source = VarMap::new();
+    let model = net(&source)?;
+    let path = tmp("varmap");
+    source.save(&path)?;
+    let mut other = net(&VarMap::new())?;
+    amp::initialize(&mut other, AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
+    amp::checkpoint::load(&mut other, &path)?;
+    assert_eq!(masters(&other), masters(&model));
+    std::fs::remove_file(path).ok();
+    Ok(())
+}
+
+#[test]
+fn bad_checkpoints_are_refused_whole_with_every_problem_named() -> amp::Result<()> {
+    let model = net(&VarMap::new())?;
+    let mut tensors: HashMap<String, Tensor> =
+        model.named_params().into_iter().map(|(n, p)| (n, p.master().as_tensor().clone())).collect();
+    tensors.remove("out.bias");
+    tensors.insert("hidden.weight".into(), Tensor::zeros((12, 7), DType::F32, &Device::Cpu)?);
+    tensors.insert("norm.bias".into(), Tensor::zeros(6, DType::F16, &Device::Cpu)?);
+    tensors.insert("extra.weight".into(), Tensor::zeros(1, DType::F32, &Device::Cpu)?);
+    // Every other tensor is valid and different: none of them may be applied.
+    tensors.insert("norm.weight".into(), Tensor::full(5f32, 6, &Device::Cpu)?);
+    let path = tmp("bad");
+    candle_core::safetensors::save(&tensors, &path)?;
+
+    let mut target = net(&VarMap::new())?;
+    let before = masters(&target);
+    let err = amp::checkpoint::load(&mut target, &path).unwrap_err().to_string();
+    for expected in [
+        "`out.bias` is missing",
+        "`hidden.weight` has shape [12, 7] in the checkpoint, the model expects [12, 6]",
+        "`norm.bias` is F16 in the checkpoint",
+        "`extra.weight` is in the checkpoint but the model has no such parameter",
+        "the model is unchanged",
+    ] {
+        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+    }
+    assert_eq!(masters(&target), before, "nothing was half-applied");
+
+    std::fs::write(&path, b"not a safetensors file").map_err(candle_core::Error::wrap)?;
+    let err = amp::checkpoint::load(&mut target, &path).unwrap_err().to_string();
+    assert!(err.contains(path.to_string_lossy().as_ref()), "{err}");
+    assert_eq!(masters(&target), before);
+    std::fs::remove_file(path).ok();
+    Ok(())
+}

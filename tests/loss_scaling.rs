@@ -1,0 +1,261 @@
+//! The loss scaler: skipped steps leave every weight bit-identical, a NaN loss stops at the floor with a
+//! diagnostic, the scale follows a reference state machine exactly, and a resumed run matches an
+//! uninterrupted one.
+
+mod common;
+
+use amp::nn::{linear, Linear};
+use amp::scaler::{AtScaleFloor, ScaleChange, ScalerConfig, SkipReason};
+use amp::{AmpConfig, AmpModule, AmpModuleExt, GradScaler, OptLevel, Precision};
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use proptest::prelude::*;
+
+#[derive(AmpModule)]
+struct Net {
+    hidden: Linear,
+    out: Linear,
+}
+
+impl Module for Net {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.out.forward(&self.hidden.forward(x)?.tanh()?)
+    }
+}
+
+fn fp16_net() -> amp::Result<Net> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let mut net = Net { hidden: linear(4, 16, vb.pp("hidden"))?, out: linear(16, 1, vb.pp("out"))? };
+    amp::initialize(&mut net, AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(Precision::Fp16))?;
+    Ok(net)
+}
+
+/// A momentum SGD over the masters whose state the test can inspect.
+struct Sgd {
+    velocity: Vec<Var>,
+}
+
+impl Sgd {
+    fn new(net: &Net) -> amp::Result<Self> {
+        let masters = net.master_vars();
+        let velocity = masters.iter().map(|v| Var::zeros(v.shape(), DType::F32, &Device::Cpu));
+        Ok(Sgd { velocity: velocity.collect::<candle_core::Result<_>>()? })
+    }
+
+    fn step(&self, net: &Net, grads: &candle_core::backprop::GradStore) -> amp::Result<()> {
+        for (master, velocity) in net.master_vars().iter().zip(&self.velocity) {
+            if let Some(grad) = grads.get(master.as_tensor()) {
+                velocity.set(&((velocity.as_tensor() * 0.9)? + grad)?)?;
+                master.set(&(master.as_tensor() - (velocity.as_tensor() * 0.05)?)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn snapshot(net: &Net, sgd: &Sgd) -> Vec<Vec<u32>> {
+    let bits = |t: &Tensor| -> Vec<u32> {
+        let t = t.to_dtype(DType::F32).and_then(|t| t.flatten_all()).and_then(|t| t.to_vec1::<f32>());
+        t.map(|v| v.iter().map(|x| x.to_bits()).collect()).unwrap_or_default()
+    };
+    let mut all: Vec<Vec<u32>> =
+        net.named_params().iter().map(|(_, p)| bits(p.master().as_tensor())).collect();
+    all.extend(net.named_params().iter().filter_map(|(_, p)| p.working().map(|w| bits(w.as_tensor()))));
+    all.extend(sgd.velocity.iter().map(|v| bits(v.as_tensor())));
+    all
+}
+
+fn batch(step: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    let x = Tensor::arange(0f32, 32.0, &Device::Cpu)?.reshape((8, 4))?;
+    let x = ((x * 0.1)? + step as f64 * 0.01)?.sin()?;
+    let y = x.sum_keepdim(1)?.cos()?;
+    Ok((x, y))
+}
+
+#[test]
+fn a_non_finite_gradient_skips_the_step_and_changes_nothing() -> amp::Result<()> {
+    for poison in [f32::INFINITY, f32::NAN] {
+        let net = fp16_net()?;
+        let sgd = Sgd::new(&net)?;
+        let mut scaler =
+            GradScaler::for_model(&net, ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+        assert!(scaler.is_enabled());
+        let mut losses = Vec::new();
+        for step in 0..200 {
+            let (x, y) = batch(step)?;
+            let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+            losses.push(loss.to_scalar::<f32>()?);
+            if step == 20 {
+                // Poison one element of one gradient, as an fp16 overflow in backward would.
+                let before = snapshot(&net, &sgd);
+                let scale = scaler.scale();
+                let mut grads = scaler.scale_loss(&loss)?.backward()?;
+                let working = net.out.weight().trainable().as_tensor();
+                let grad = grads.get(working).expect("gradient").to_dtype(DType::F32)?;
+                let mut values = grad.flatten_all()?.to_vec1::<f32>()?;
+                values[7] = poison;
+                let poisoned =
+                    Tensor::from_vec(values, grad.shape(), &Device::Cpu)?.to_dtype(working.dtype())?;
+                grads.insert(working, poisoned);
+                let unscaled = scaler.unscale(&net, &mut grads)?;
+                assert_eq!(unscaled.first_non_finite.as_deref(), Some("out.weight"));
+                let report =
+                    scaler.update(Some(SkipReason::GradientOverflow { param: "out.weight".into() }))?;
+                assert!(!report.applied() && !report.warmup);
+                assert_eq!(report.scale_after, scale / 2.0, "the scale backs off");
+                assert_eq!(
+                    snapshot(&net, &sgd),
+                    before,
+                    "masters, working copies and state are bit-identical"
+                );
+                continue;
+            }
+            let report = scaler.step(&net, &loss, |grads| sgd.step(&net, grads))?;
+            assert!(report.applied(), "{report}");
+        }
+        let (first, last) = (losses[0], losses[losses.len() - 1]);
+        assert!(last < 0.2 * first, "training converges after the skip: {first} -> {last}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_nan_loss_every_step_stops_at_the_floor_with_a_diagnostic() -> amp::Result<()> {
+    let net = fp16_net()?;
+    let mut scaler = GradScaler::new(ScalerConfig::default())?;
+    let nan = Tensor::new(f32::NAN, &Device::Cpu)?;
+    let mut steps = 0;
+    let err = loop {
+        steps += 1;
+        assert!(steps < 100, "the scaler loops forever");
+        match scaler.step(&net, &nan, |_| panic!("a NaN loss must never reach the optimizer")) {
+            Ok(report) => {
+                assert_eq!(report.skipped, Some(SkipReason::NonFiniteLoss));
+                assert!(report.scale_after >= 1.0, "the scale never goes below the floor");
+            }
+            Err(err) => break err.to_string(),
+        }
+    };
+    // 65536 halves 16 times to 1.0; the 17th overflow is at the floor.
+    assert_eq!(steps, 17);
+    assert!(
+        err.contains("minimum loss scale 1") && err.contains("the loss") && err.contains("AtScaleFloor"),
+        "{err}"
+    );
+
+    let mut patient =
+        GradScaler::new(ScalerConfig { at_floor: AtScaleFloor::Continue, ..Default::default() })?;
+    for _ in 0..40 {
+        let report = patient.step(&net, &nan, |_| panic!("never applied"))?;
+        assert!(report.scale_after >= 1.0);
+    }
+    assert_eq!(patient.scale(), 1.0);
+    assert_eq!(patient.state().skipped, 40);
+    Ok(())
+}
+
+#[test]
+fn bf16_models_get_a_disabled_scaler_that_multiplies_nothing() -> amp::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let mut net = Net { hidden: linear(4, 16, vb.pp("hidden"))?, out: linear(16, 1, vb.pp("out"))? };
+    amp::initialize(&mut net, AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
+    let scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
+    assert!(!scaler.is_enabled());
+    assert_eq!(scaler.scale(), 1.0);
+    let loss = Tensor::new(3.0f32, &Device::Cpu)?;
+    assert_eq!(scaler.scale_loss(&loss)?.to_scalar::<f32>()?, 3.0);
+    Ok(())
+}
+
+#[test]
+fn a_resumed_run_continues_exactly_like_an_uninterrupted_one() -> amp::Result<()> {
+    let pattern = |step: u64| step % 7 == 3 || step.is_multiple_of(11);
+    let config = ScalerConfig { growth_interval: 5, hysteresis: 2, ..Default::default() };
+    let mut straight = GradScaler::new(config)?;
+    let mut first_half = GradScaler::new(config)?;
+    for step in 0..100 {
+        straight.update(pattern(step).then_some(SkipReason::NonFiniteLoss))?;
+        if step < 50 {
+            first_half.update(pattern(step).then_some(SkipReason::NonFiniteLoss))?;
+        }
+    }
+    let saved = serde_json::to_string(&(first_half.config(), first_half.state()))
+        .map_err(candle_core::Error::wrap)?;
+    let (config, state) = serde_json::from_str(&saved).map_err(candle_core::Error::wrap)?;
+    let mut resumed = GradScaler::new(ScalerConfig::default())?;
+    resumed.load_state(config, state)?;
+    for step in 50..100 {
+        resumed.update(pattern(step).then_some(SkipReason::NonFiniteLoss))?;
+    }
+    assert_eq!(resumed.state(), straight.state());
+    Ok(())
+}
+
+/// The reference state machine: PyTorch's `_amp_update_scale_` with DeepSpeed's hysteresis, a floor and
+/// a cap, written from their definitions.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Reference {
+    scale: f32,
+    tracker: u32,
+    tolerance: u32,
+}
+
+impl Reference {
+    fn step(&mut self, overflow: bool, c: &ScalerConfig) {
+        if overflow {
+            self.tracker = 0;
+            if self.tolerance > 1 {
+                self.tolerance -= 1;
+            } else if self.scale > c.min_scale {
+                self.scale = f32::max(self.scale * c.backoff_factor, c.min_scale);
+            }
+        } else {
+            self.tracker += 1;
+            if self.tracker == c.growth_interval {
+                self.tracker = 0;
+                let grown = self.scale * c.growth_factor;
+                if grown.is_finite() && self.scale < c.max_scale {
+                    self.scale = grown.min(c.max_scale);
+                    self.tolerance = c.hysteresis;
+                }
+            }
+        }
+    }
+}
+
+proptest! {
+    #[test]
+    fn the_scale_follows_the_reference_state_machine(
+        steps in proptest::collection::vec(any::<bool>(), 1..400),
+        interval in 1u32..6,
+        hysteresis in 1u32..4,
+        near_max in any::<bool>(),
+    ) {
+        let config = ScalerConfig {
+            init_scale: if near_max { f32::MAX / 4.0 } else { 1024.0 },
+            max_scale: f32::MAX,
+            growth_interval: interval,
+            hysteresis,
+            at_floor: AtScaleFloor::Continue,
+            ..Default::default()
+        };
+        let mut scaler = GradScaler::new(config).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut reference = Reference { scale: config.init_scale, tracker: 0, tolerance: hysteresis };
+        for (i, overflow) in steps.iter().enumerate() {
+            let report = scaler
+                .update(overflow.then_some(SkipReason::NonFiniteLoss))
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            reference.step(*overflow, &config);
+            prop_assert_eq!(scaler.scale(), reference.scale, "step {}", i);
+            prop_assert_eq!(scaler.state().growth_tracker, reference.tracker);
+            prop_assert_eq!(scaler.state().hysteresis_left, reference.tolerance);
+            prop_assert!(scaler.scale().is_finite() && scaler.scale() >= 1.0);
+            if report.change == ScaleChange::Grew {
+                prop_assert!(report.scale_after > report.scale_before);
+            }
+        }
+        prop_assert_eq!(scaler.state().skipped, steps.iter().filter(|o| **o).count() as u64);
+    }
+}

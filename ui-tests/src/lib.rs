@@ -1,0 +1,1 @@
+//! Holds the trybuild ui cases of `#[derive(AmpModule)]` under `tests/ui`.
