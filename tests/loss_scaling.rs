@@ -259,3 +259,64 @@ proptest! {
         prop_assert_eq!(scaler.state().skipped, steps.iter().filter(|o| **o).count() as u64);
     }
 }
+
+#[test]
+fn scaler_state_travels_with_the_checkpoint_and_resume_is_exact() -> amp::Result<()> {
+    let net = fp16_net()?;
+    let sgd = Sgd::new(&net)?;
+    let config = ScalerConfig { init_scale: 1024.0, growth_interval: 3, ..Default::default() };
+    let mut scaler = GradScaler::new(config)?.named("main");
+    let mut aux = GradScaler::new(ScalerConfig { init_scale: 8.0, ..config })?.named("aux");
+    for step in 0..5 {
+        let (x, y) = batch(step)?;
+        let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+        scaler.step(&net, &loss, |grads| sgd.step(&net, grads))?;
+    }
+    aux.update(Some(SkipReason::NonFiniteLoss))?;
+    let path = std::env::temp_dir().join(format!("amp-scaler-{}.safetensors", std::process::id()));
+    amp::checkpoint::save_with(&net, &[&scaler, &aux], &path)?;
+
+    let mut restored_net = fp16_net()?;
+    let mut restored = GradScaler::new(ScalerConfig::default())?.named("main");
+    let mut restored_aux = GradScaler::new(ScalerConfig::default())?.named("aux");
+    amp::checkpoint::load_with(&mut restored_net, &mut [&mut restored, &mut restored_aux], &path)?;
+    assert_eq!(restored.state(), scaler.state());
+    assert_eq!(restored.config(), scaler.config());
+    assert_eq!(restored_aux.state(), aux.state(), "each loss's scaler keeps its own state");
+
+    // Both continue identically.
+    for step in 5..12 {
+        let overflow = step % 4 == 0;
+        let a = scaler.update(overflow.then_some(SkipReason::NonFiniteLoss))?;
+        let b = restored.update(overflow.then_some(SkipReason::NonFiniteLoss))?;
+        assert_eq!(a, b);
+    }
+
+    // A checkpoint without the requested state is refused and changes nothing.
+    let mut missing = GradScaler::new(ScalerConfig::default())?.named("other");
+    let before = *missing.state();
+    let err = amp::checkpoint::load_with(&mut restored_net, &mut [&mut missing], &path).unwrap_err();
+    assert!(err.to_string().contains("no `other` state"), "{err}");
+    assert_eq!(*missing.state(), before);
+    std::fs::remove_file(path).ok();
+    Ok(())
+}
+
+#[test]
+fn one_scaler_drives_several_optimizers() -> amp::Result<()> {
+    let net = fp16_net()?;
+    // One optimizer for the hidden layer, one for the output layer.
+    let (hidden, out) = (Sgd::new(&net)?, Sgd::new(&net)?);
+    let mut scaler = GradScaler::new(ScalerConfig { init_scale: 256.0, ..Default::default() })?;
+    let (x, y) = batch(0)?;
+    let before = net.out.weight().master().as_tensor().flatten_all()?.to_vec1::<f32>()?;
+    let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+    let report = scaler.step(&net, &loss, |grads| {
+        hidden.step(&net, grads)?;
+        out.step(&net, grads)
+    })?;
+    assert!(report.applied());
+    let after = net.out.weight().master().as_tensor().flatten_all()?.to_vec1::<f32>()?;
+    assert_ne!(before, after);
+    Ok(())
+}

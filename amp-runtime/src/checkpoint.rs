@@ -79,41 +79,111 @@ impl fmt::Display for CheckpointProblems {
     }
 }
 
+/// Prefix of the tensor names and metadata keys that hold training state beside the parameters.
+const STATE_PREFIX: &str = "amp_state/";
+
+/// State saved beside the model in a checkpoint: a loss scaler's, an optimizer's.
+pub trait TrainingState {
+    /// A name unique among the states of one checkpoint (`"scaler"`, `"optimizer"`).
+    fn state_key(&self) -> String;
+    /// The state as JSON plus named tensors.
+    fn save_state(&self) -> Result<SavedState>;
+    /// Checks that `state` can be restored into `self`, changing nothing.
+    fn check_state(&self, state: &SavedState) -> Result<()>;
+    /// Restores a state that passed [`check_state`](Self::check_state).
+    fn restore_state(&mut self, state: SavedState) -> Result<()>;
+}
+
+/// The saved form of a [`TrainingState`].
+#[derive(Clone, Debug, Default)]
+pub struct SavedState {
+    /// Settings and scalars, as JSON.
+    pub json: String,
+    /// Named tensors (optimizer moments, ...).
+    pub tensors: Vec<(String, Tensor)>,
+}
+
 /// Saves every parameter's master under its dotted path. Writes a temporary file beside `path` and
 /// renames it, so an interrupted save never leaves a truncated checkpoint in place.
 pub fn save<M: AmpModule + ?Sized>(model: &M, path: impl AsRef<Path>) -> Result<()> {
+    save_with(model, &[], path)
+}
+
+/// [`save`] plus training states (scaler, optimizer), so that a resumed run continues exactly.
+pub fn save_with<M: AmpModule + ?Sized>(
+    model: &M,
+    states: &[&dyn TrainingState],
+    path: impl AsRef<Path>,
+) -> Result<()> {
     let path = path.as_ref();
-    let tensors: HashMap<String, Tensor> = model
+    let io = |reason: String| Error::CheckpointIo { path: path.to_path_buf(), reason };
+    let mut tensors: Vec<(String, Tensor)> = model
         .named_params()
         .into_iter()
         .map(|(name, p)| Ok((name, p.master().as_tensor().to_dtype(DType::F32)?)))
         .collect::<Result<_>>()?;
+    let mut metadata = HashMap::new();
+    for state in states {
+        let key = state.state_key();
+        let saved = state.save_state()?;
+        metadata.insert(format!("{STATE_PREFIX}{key}"), saved.json);
+        tensors.extend(saved.tensors.into_iter().map(|(name, t)| (format!("{STATE_PREFIX}{key}/{name}"), t)));
+    }
     let tmp = path.with_extension("safetensors.partial");
-    candle_core::safetensors::save(&tensors, &tmp)
-        .map_err(|e| Error::CheckpointIo { path: path.to_path_buf(), reason: e.to_string() })?;
-    std::fs::rename(&tmp, path)
-        .map_err(|e| Error::CheckpointIo { path: path.to_path_buf(), reason: e.to_string() })
+    safetensors::tensor::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata), &tmp)
+        .map_err(|e| io(e.to_string()))?;
+    std::fs::rename(&tmp, path).map_err(|e| io(e.to_string()))
 }
 
 /// Loads masters saved by [`save`] (or by candle-nn's `VarMap::save` for the same model) and refreshes
 /// the half working copies. Nothing changes unless every tensor matches.
 pub fn load<M: AmpModule + ?Sized>(model: &mut M, path: impl AsRef<Path>) -> Result<()> {
+    load_with(model, &mut [], path)
+}
+
+/// [`load`] plus training states saved by [`save_with`]. Everything is checked before anything is
+/// changed: the model and every state are restored together or not at all.
+pub fn load_with<M: AmpModule + ?Sized>(
+    model: &mut M,
+    states: &mut [&mut dyn TrainingState],
+    path: impl AsRef<Path>,
+) -> Result<()> {
     let path = path.as_ref();
+    let io = |reason: String| Error::CheckpointIo { path: path.to_path_buf(), reason };
+    let bytes = std::fs::read(path).map_err(|e| io(e.to_string()))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| io(e.to_string()))?;
+    let metadata = header.metadata().clone().unwrap_or_default();
     let device = model.named_params().first().map_or(Device::Cpu, |(_, p)| p.master().device().clone());
-    let tensors = candle_core::safetensors::load(path, &device)
-        .map_err(|e| Error::CheckpointIo { path: path.to_path_buf(), reason: e.to_string() })?;
+    let mut tensors = candle_core::safetensors::load_buffer(&bytes, &device).map_err(|e| io(e.to_string()))?;
+
+    let mut saved = Vec::with_capacity(states.len());
+    for state in states.iter() {
+        let key = state.state_key();
+        let Some(json) = metadata.get(&format!("{STATE_PREFIX}{key}")) else {
+            return Err(io(format!("it holds no `{key}` state (was it saved with `save_with`?)")));
+        };
+        let prefix = format!("{STATE_PREFIX}{key}/");
+        let names: Vec<String> = tensors.keys().filter(|n| n.starts_with(&prefix)).cloned().collect();
+        let state_tensors =
+            names.into_iter().filter_map(|n| tensors.remove(&n).map(|t| (n[prefix.len()..].to_string(), t)));
+        let one = SavedState { json: json.clone(), tensors: state_tensors.collect() };
+        state.check_state(&one)?;
+        saved.push(one);
+    }
+    tensors.retain(|name, _| !name.starts_with(STATE_PREFIX));
+
     let params = model.named_params();
     let problems = check(&params, &tensors);
     if !problems.is_empty() {
-        return Err(Error::CheckpointRefused {
-            path: path.to_path_buf(),
-            problems: CheckpointProblems(problems),
-        });
+        return Err(Error::CheckpointRefused { path: path.to_path_buf(), problems: CheckpointProblems(problems) });
     }
     for (name, param) in &params {
         // Exact for fp32 masters; O3 models, which keep no fp32 copy, round into their half storage.
         param.master().set(&tensors[name].to_dtype(param.master().dtype())?)?;
         param.refresh_working()?;
+    }
+    for (state, one) in states.iter_mut().zip(saved) {
+        state.restore_state(one)?;
     }
     Ok(())
 }

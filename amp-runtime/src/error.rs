@@ -77,6 +77,25 @@ pub enum Error {
         what: String,
     },
 
+    // ---- optimizers ----
+    /// A parameter without an fp32 copy handed to an optimizer that keeps fp32 masters.
+    #[error(
+        "`{path}` is stored in {precision} with no fp32 master; amp's optimizers update fp32 masters: \
+         initialize the model with O2 (fp32 masters + half working copies) instead of O3, or pass f32 variables"
+    )]
+    NoFp32Master {
+        /// The parameter.
+        path: String,
+        /// Its storage precision.
+        precision: crate::Precision,
+    },
+    /// Optimizer settings or saved state that cannot be used.
+    #[error("optimizer: {reason}")]
+    OptimizerState {
+        /// What is wrong.
+        reason: String,
+    },
+
     // ---- memory access ----
     /// A kernel needs contiguous memory.
     #[error(
@@ -100,6 +119,17 @@ pub enum Error {
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+
+    // ---- ops refused in half precision ----
+    /// `binary_cross_entropy` on probabilities stored in half precision (Apex and autocast ban it too).
+    #[error(
+        "binary_cross_entropy on a {precision} input is unsafe in half precision (log of probabilities near \
+         0 and 1 underflows); pass logits to binary_cross_entropy_with_logits instead"
+    )]
+    BinaryCrossEntropyInHalf {
+        /// The half precision of the probabilities that were passed.
+        precision: crate::Precision,
+    },
 }
 
 /// The runtime's result type.

@@ -11,6 +11,8 @@ mod layer;
 mod master;
 pub mod module;
 pub mod nn;
+pub mod ops;
+pub mod optim;
 mod param;
 mod policy;
 mod precision;

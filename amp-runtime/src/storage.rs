@@ -36,6 +36,17 @@ pub(crate) fn for_each_batch_mut<R>(
         .collect()
 }
 
+/// Runs `f` on mutable slices of all `tensors` at once (no batching: keep the list short, a few hundred
+/// tensors at most). The caller has checked that storages are distinct ([`check_distinct`]).
+pub(crate) fn with_all_mut<R>(tensors: &[&Tensor], f: impl FnOnce(&mut [GradSliceMut<'_>]) -> R) -> Result<R> {
+    let mut f = Some(f);
+    let mut slot = None;
+    nest(tensors, Vec::with_capacity(tensors.len()), &mut |slices: &mut [GradSliceMut<'_>]| {
+        slot = f.take().map(|f| f(slices));
+    })?;
+    slot.ok_or_else(|| Error::Internal { what: "nested in-place op did not run".into() })
+}
+
 /// Runs `f` on read-only slices of every tensor's elements (contiguous f32/f16/bf16 CPU tensors).
 pub(crate) fn with_slices<R>(tensors: &[&Tensor], f: impl FnOnce(&[GradSlice<'_>]) -> R) -> Result<R> {
     let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
@@ -122,7 +133,7 @@ fn read_slice<'s>(storage: &'s CpuStorage, layout: &Layout, tensor: &Tensor) -> 
 }
 
 /// Refuses tensors that share storage: the nested ops would lock it twice.
-fn check_distinct(tensors: &[&Tensor]) -> Result<()> {
+pub(crate) fn check_distinct(tensors: &[&Tensor]) -> Result<()> {
     let mut keys: Vec<usize> = tensors
         .iter()
         .map(|t| {

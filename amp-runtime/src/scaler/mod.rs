@@ -12,6 +12,7 @@
 //! disabled scaler whose scale is 1 and which multiplies nothing; it can still guard against non-finite
 //! gradients with one read-only pass ([`GradScaler::with_finite_guard`]).
 
+mod checkpoint;
 mod config;
 mod report;
 mod state;
@@ -34,6 +35,7 @@ pub struct GradScaler {
     enabled: bool,
     finite_guard: bool,
     log: report::SkipLog,
+    key: String,
 }
 
 /// The result of [`GradScaler::unscale`].
@@ -53,6 +55,7 @@ impl GradScaler {
             enabled: true,
             finite_guard: true,
             log: report::SkipLog::new(1000),
+            key: "scaler".into(),
         })
     }
 
@@ -66,6 +69,7 @@ impl GradScaler {
             enabled: false,
             finite_guard: false,
             log: report::SkipLog::new(1000),
+            key: "scaler".into(),
         }
     }
 
@@ -88,6 +92,13 @@ impl GradScaler {
     /// Logs a summary of skips at most once per `steps` steps (default 1000).
     pub fn with_summary_every(mut self, steps: u64) -> Self {
         self.log = report::SkipLog::new(steps);
+        self
+    }
+
+    /// Names the scaler in checkpoints (default `"scaler"`); give each scaler of a multi-loss setup its
+    /// own name (Apex's `num_losses`).
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.key = name.into();
         self
     }
 

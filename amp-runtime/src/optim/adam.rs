@@ -1,0 +1,190 @@
+//! Fused Adam and AdamW: one pass per parameter reads the gradient (unscaling it inline), updates the
+//! fp32 master and moments, and writes the half working copy.
+
+use amp_kernels::optim::{adam_step, AdamParams, AdamTensor};
+use candle_core::backprop::GradStore;
+
+use super::driver::{self, select_mut};
+use super::params::ParamGroups;
+use super::state::{self, Buffers};
+use super::FusedOptimizer;
+use crate::checkpoint::{SavedState, TrainingState};
+use crate::error::Result;
+
+/// Settings of [`FusedAdam`]. The default is PyTorch's AdamW.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AdamConfig {
+    /// Learning rate (1e-3).
+    pub lr: f64,
+    /// Decay of the first moment (0.9).
+    pub beta1: f64,
+    /// Decay of the second moment (0.999).
+    pub beta2: f64,
+    /// Added to the root of the second moment (1e-8); the moments are fp32, so 1e-8 is representable.
+    pub eps: f64,
+    /// Weight decay (0.01).
+    pub weight_decay: f64,
+    /// `true` (AdamW): decay the weights directly; `false` (Adam): add `weight_decay * w` to the gradient.
+    pub decoupled_weight_decay: bool,
+    /// Use the running maximum of the second moment (false).
+    pub amsgrad: bool,
+    /// Divide the moments by `1 - beta^t` (true).
+    pub bias_correction: bool,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            decoupled_weight_decay: true,
+            amsgrad: false,
+            bias_correction: true,
+        }
+    }
+}
+
+impl AdamConfig {
+    /// PyTorch's `Adam` defaults: L2 penalty instead of decoupled decay, no weight decay.
+    pub fn adam() -> Self {
+        AdamConfig { weight_decay: 0.0, decoupled_weight_decay: false, ..Self::default() }
+    }
+}
+
+/// Fused multi-tensor Adam / AdamW over fp32 masters with fp32 state.
+#[derive(Debug)]
+pub struct FusedAdam {
+    groups: ParamGroups,
+    config: AdamConfig,
+    step: u64,
+    exp_avg: Buffers,
+    exp_avg_sq: Buffers,
+    max_exp_avg_sq: Buffers,
+}
+
+/// AdamW is [`FusedAdam`] with its default config.
+pub type FusedAdamW = FusedAdam;
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Settings {
+    config: AdamConfig,
+    step: u64,
+    groups: Vec<super::GroupOptions>,
+}
+
+impl FusedAdam {
+    /// An optimizer over `groups` with zeroed moments.
+    pub fn new(groups: ParamGroups, config: AdamConfig) -> Result<Self> {
+        let params = &groups.params;
+        Ok(FusedAdam {
+            exp_avg: Buffers::zeros("exp_avg", params, true),
+            exp_avg_sq: Buffers::zeros("exp_avg_sq", params, true),
+            max_exp_avg_sq: Buffers::zeros("max_exp_avg_sq", params, config.amsgrad),
+            groups,
+            config,
+            step: 0,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &AdamConfig {
+        &self.config
+    }
+
+    /// Applied steps so far (bias correction uses it).
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    fn kernel_params(&self, group: usize) -> AdamParams {
+        let options = self.groups.groups[group];
+        AdamParams {
+            lr: options.lr.unwrap_or(self.config.lr),
+            beta1: self.config.beta1,
+            beta2: self.config.beta2,
+            eps: self.config.eps,
+            weight_decay: options.weight_decay.unwrap_or(self.config.weight_decay),
+            decoupled_weight_decay: self.config.decoupled_weight_decay,
+            amsgrad: self.config.amsgrad,
+            bias_correction: self.config.bias_correction,
+            step: self.step,
+        }
+    }
+}
+
+impl FusedOptimizer for FusedAdam {
+    fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
+        self.step += 1;
+        for group in 0..self.groups.groups.len() {
+            let params = self.kernel_params(group);
+            let present = driver::with_grads(&self.groups.params, Some(group), grads);
+            let (m, v, vmax) = (&mut self.exp_avg.values, &mut self.exp_avg_sq.values, &mut self.max_exp_avg_sq.values);
+            driver::for_each_batch(&self.groups.params, &present, |indices, views| {
+                let (m, v, vmax) = (select_mut(m, indices), select_mut(v, indices), select_mut(vmax, indices));
+                let mut tensors: Vec<AdamTensor<'_>> = views
+                    .iter_mut()
+                    .zip(m.into_iter().zip(v).zip(vmax))
+                    .map(|(view, ((m, v), vmax))| {
+                        let mut t = AdamTensor::new(&mut *view.master, view.grad, m, v);
+                        if params.amsgrad {
+                            t = t.with_max_exp_avg_sq(vmax);
+                        }
+                        t.working = view.working.as_mut().map(|w| w.reborrow());
+                        t
+                    })
+                    .collect();
+                adam_step(&mut tensors, &params, inv_grad_scale);
+            })?;
+        }
+        crate::CastCache::clear();
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+
+    fn param_groups(&self) -> &ParamGroups {
+        &self.groups
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.exp_avg.bytes() + self.exp_avg_sq.bytes() + self.max_exp_avg_sq.bytes()
+    }
+}
+
+impl TrainingState for FusedAdam {
+    fn state_key(&self) -> String {
+        "optimizer".into()
+    }
+
+    fn save_state(&self) -> Result<SavedState> {
+        let settings = Settings { config: self.config, step: self.step, groups: self.groups.groups.clone() };
+        state::save(&settings, &self.groups.params, &[&self.exp_avg, &self.exp_avg_sq, &self.max_exp_avg_sq])
+    }
+
+    fn check_state(&self, saved: &SavedState) -> Result<()> {
+        let buffers = [&self.exp_avg, &self.exp_avg_sq, &self.max_exp_avg_sq];
+        state::check::<Settings>(saved, &self.groups.params, &buffers).map(|_| ())
+    }
+
+    fn restore_state(&mut self, saved: SavedState) -> Result<()> {
+        let buffers = [&self.exp_avg, &self.exp_avg_sq, &self.max_exp_avg_sq];
+        let settings: Settings = state::check(&saved, &self.groups.params, &buffers)?;
+        let mut buffers = [&mut self.exp_avg, &mut self.exp_avg_sq, &mut self.max_exp_avg_sq];
+        state::restore(&saved, &self.groups.params, &mut buffers)?;
+        self.config = settings.config;
+        self.step = settings.step;
+        for (mine, saved) in self.groups.groups.iter_mut().zip(settings.groups) {
+            *mine = saved;
+        }
+        Ok(())
+    }
+}

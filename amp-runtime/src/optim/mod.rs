@@ -1,0 +1,116 @@
+//! Fused multi-tensor optimizers over fp32 master weights: one pass per parameter per step.
+//!
+//! An optimizer step is bandwidth-bound, so what counts is how often each parameter's bytes cross the
+//! memory bus. The fused step reads the gradient in its own dtype (f32, f16 or bf16) and still scaled by
+//! the loss scale, unscales it inline, updates the fp32 master and the fp32 state, and writes the half
+//! working copy, all in one pass, with no temporary tensor. State is fp32 whatever the parameters are.
+//!
+//! ```
+//! # use amp::nn::{linear, Linear};
+//! # use amp::{AmpConfig, AmpModule, OptLevel, GradScaler};
+//! # use amp::optim::{AdamConfig, FusedAdamW, FusedOptimizer, GroupOptions, OptimParam, ParamGroups};
+//! # use amp::scaler::ScalerConfig;
+//! # use candle_core::{DType, Device, Module, Tensor};
+//! # use candle_nn::{VarBuilder, VarMap};
+//! # #[derive(AmpModule)] struct Net { fc: Linear }
+//! # fn main() -> amp::Result<()> {
+//! # let varmap = VarMap::new();
+//! # let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//! # let mut model = Net { fc: linear(4, 2, vb.pp("fc"))? };
+//! amp::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
+//! let no_decay = GroupOptions { weight_decay: Some(0.0), ..Default::default() };
+//! let groups = ParamGroups::from_model(&model)?.with_group(OptimParam::is_bias_or_norm, no_decay);
+//! let mut optimizer = FusedAdamW::new(groups, AdamConfig::default())?;
+//! let mut scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
+//! let loss = model.fc.forward(&Tensor::ones((3, 4), DType::F32, &Device::Cpu)?)?.sqr()?.mean_all()?;
+//! let report = scaler.step_fused(&loss, &mut optimizer, None)?;
+//! assert!(report.applied());
+//! # Ok(()) }
+//! ```
+
+mod adam;
+mod driver;
+mod lamb;
+mod params;
+mod sgd;
+mod state;
+
+pub use adam::{AdamConfig, FusedAdam, FusedAdamW};
+pub use lamb::{FusedLamb, LambConfig};
+pub use params::{GroupOptions, OptimParam, ParamGroups};
+pub use sgd::{FusedSgd, SgdConfig};
+
+use candle_core::backprop::GradStore;
+use candle_core::DType;
+
+use crate::error::Result;
+use crate::scaler::{GradScaler, SkipReason, StepReport};
+
+/// A fused optimizer: steps fp32 masters from (possibly scaled, possibly half) gradients in one pass.
+pub trait FusedOptimizer {
+    /// One step with gradients that still carry a factor `1 / inv_grad_scale` (the loss scale, and any
+    /// clipping coefficient folded in). The caller has checked that they are finite: a skipped step
+    /// must not call this.
+    fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()>;
+
+    /// One step with unscaled gradients.
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.step_scaled(grads, 1.0)
+    }
+
+    /// The base learning rate.
+    fn learning_rate(&self) -> f64;
+
+    /// Sets the base learning rate (for schedulers; groups with their own rate keep it).
+    fn set_learning_rate(&mut self, lr: f64);
+
+    /// The parameters and their groups.
+    fn param_groups(&self) -> &ParamGroups;
+
+    /// Bytes of optimizer state (fp32), for memory accounting.
+    fn state_bytes(&self) -> usize;
+}
+
+/// The global L2 norm of the optimizer's gradients after multiplying them by `inv_scale`, in one
+/// read-only pass (deterministic; inf or NaN if any gradient is not finite).
+pub fn global_grad_norm(optimizer: &dyn FusedOptimizer, grads: &GradStore, inv_scale: f32) -> Result<f32> {
+    let params = optimizer.param_groups().params();
+    let present = driver::with_grads(params, None, grads);
+    let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
+    crate::storage::with_slices(&tensors, |slices| amp_kernels::norm::global_l2_norm(slices, inv_scale))
+}
+
+impl GradScaler {
+    /// One whole step with a fused optimizer: checks the loss, backward on the scaled loss, one read-only
+    /// pass that finds inf/NaN (and the global norm when `max_grad_norm` clips), then the fused step that
+    /// unscales (and clips) inline and refreshes the working copies, or nothing at all when a value was
+    /// not finite; then the scale update. No separate unscale pass, no f32 copy of half gradients.
+    pub fn step_fused(
+        &mut self,
+        loss: &candle_core::Tensor,
+        optimizer: &mut dyn FusedOptimizer,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport> {
+        let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        if !value.is_finite() {
+            return self.update(Some(SkipReason::NonFiniteLoss));
+        }
+        let grads = self.scale_loss(loss)?.backward()?;
+        let inv_scale = 1.0 / self.scale();
+        let params = optimizer.param_groups().params();
+        let present = driver::with_grads(params, None, &grads);
+        let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
+        let first_bad = crate::storage::with_slices(&tensors, amp_kernels::unscale::find_non_finite)?;
+        if let Some(index) = first_bad {
+            let param = params[present[index].0].path.clone();
+            return self.update(Some(SkipReason::GradientOverflow { param }));
+        }
+        let mut factor = inv_scale;
+        if let Some(max_norm) = max_grad_norm {
+            let norm = crate::storage::with_slices(&tensors, |s| amp_kernels::norm::global_l2_norm(s, inv_scale))?;
+            factor *= amp_kernels::clip::clip_coefficient(norm, max_norm);
+        }
+        optimizer.step_scaled(&grads, factor)?;
+        self.update(None)
+    }
+}

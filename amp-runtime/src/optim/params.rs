@@ -1,0 +1,129 @@
+//! The parameters an optimizer updates, and their groups.
+
+use candle_core::{DType, Var};
+use candle_nn::VarMap;
+
+use crate::error::{Error, Result};
+use crate::{AmpModule, Layer, LayerSite, ParamStorage};
+
+/// One parameter as an optimizer sees it.
+#[derive(Clone, Debug)]
+pub struct OptimParam {
+    /// Dotted path (or `VarMap` name, or `param.<index>` for bare variables).
+    pub path: String,
+    /// Layer type (`"Linear"`), or `"Var"` for bare variables.
+    pub kind: &'static str,
+    /// The fp32 variable the optimizer updates.
+    pub(crate) master: Var,
+    /// The half working copy refreshed in the same pass, if any.
+    pub(crate) working: Option<Var>,
+    /// The variable whose gradient the step reads.
+    pub(crate) trainable: Var,
+    /// Index of the parameter's group.
+    pub(crate) group: usize,
+}
+
+impl OptimParam {
+    /// True for biases and the parameters of norm layers: the usual "no weight decay" set.
+    pub fn is_bias_or_norm(&self) -> bool {
+        self.path.ends_with("bias") || self.kind.contains("Norm")
+    }
+
+    /// Number of elements.
+    pub fn elem_count(&self) -> usize {
+        self.master.elem_count()
+    }
+}
+
+/// Hyper-parameters a group overrides; `None` keeps the optimizer's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GroupOptions {
+    /// Learning rate of the group.
+    pub lr: Option<f64>,
+    /// Weight decay of the group.
+    pub weight_decay: Option<f64>,
+}
+
+/// Parameters with their groups: group 0 holds everything not claimed by a later group.
+#[derive(Clone, Debug, Default)]
+pub struct ParamGroups {
+    pub(crate) params: Vec<OptimParam>,
+    pub(crate) groups: Vec<GroupOptions>,
+}
+
+impl ParamGroups {
+    /// Every parameter of an amp model, with its master and working copy.
+    pub fn from_model<M: AmpModule + ?Sized>(model: &M) -> Result<Self> {
+        let mut params = Vec::new();
+        let mut first_error = None;
+        model.visit(&mut crate::Cursor::new(), &mut |site: LayerSite<'_>, layer: &dyn Layer| {
+            for (name, param) in layer.params() {
+                let path = site.param_path(name);
+                if let ParamStorage::Half(p) = param.storage() {
+                    first_error.get_or_insert(Error::NoFp32Master { path: path.clone(), precision: p });
+                }
+                params.push(OptimParam {
+                    path,
+                    kind: layer.kind(),
+                    master: param.master().clone(),
+                    working: param.working().cloned(),
+                    trainable: param.trainable().clone(),
+                    group: 0,
+                });
+            }
+        });
+        first_error.map_or(Ok(()), Err)?;
+        Ok(ParamGroups { params, groups: vec![GroupOptions::default()] })
+    }
+
+    /// Plain fp32 candle variables, so candle users can adopt the optimizer alone.
+    pub fn from_vars(vars: impl IntoIterator<Item = Var>) -> Result<Self> {
+        let named = vars.into_iter().enumerate().map(|(i, v)| (format!("param.{i}"), v));
+        Self::from_named_vars(named)
+    }
+
+    /// The variables of a `VarMap`, by name (sorted, so state order is stable).
+    pub fn from_varmap(varmap: &VarMap) -> Result<Self> {
+        let data = varmap.data().lock().map_err(|_| Error::Internal { what: "VarMap lock poisoned".into() })?;
+        let mut named: Vec<(String, Var)> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        Self::from_named_vars(named)
+    }
+
+    fn from_named_vars(named: impl IntoIterator<Item = (String, Var)>) -> Result<Self> {
+        let params = named
+            .into_iter()
+            .map(|(path, var)| {
+                if var.dtype() != DType::F32 {
+                    let precision = crate::Precision::from_dtype(var.dtype())?;
+                    return Err(Error::NoFp32Master { path, precision });
+                }
+                Ok(OptimParam { path, kind: "Var", master: var.clone(), working: None, trainable: var, group: 0 })
+            })
+            .collect::<Result<_>>()?;
+        Ok(ParamGroups { params, groups: vec![GroupOptions::default()] })
+    }
+
+    /// Moves the parameters for which `select` is true (and that no earlier group claimed) into a new
+    /// group with `options`. `groups.with_group(OptimParam::is_bias_or_norm, no_decay)` is the usual use.
+    pub fn with_group(mut self, select: impl Fn(&OptimParam) -> bool, options: GroupOptions) -> Self {
+        let index = self.groups.len();
+        self.groups.push(options);
+        for param in self.params.iter_mut().filter(|p| p.group == 0) {
+            if select(param) {
+                param.group = index;
+            }
+        }
+        self
+    }
+
+    /// The parameters, in order.
+    pub fn params(&self) -> &[OptimParam] {
+        &self.params
+    }
+
+    /// Total elements.
+    pub fn elem_count(&self) -> usize {
+        self.params.iter().map(OptimParam::elem_count).sum()
+    }
+}

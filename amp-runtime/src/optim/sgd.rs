@@ -1,0 +1,142 @@
+//! Fused SGD with momentum, dampening, Nesterov and weight decay (PyTorch's semantics), one pass per
+//! parameter including the half working copy.
+
+use amp_kernels::optim::{sgd_step, SgdParams, SgdTensor};
+use candle_core::backprop::GradStore;
+
+use super::driver::{self, select_mut};
+use super::params::ParamGroups;
+use super::state::{self, Buffers};
+use super::FusedOptimizer;
+use crate::checkpoint::{SavedState, TrainingState};
+use crate::error::{Error, Result};
+
+/// Settings of [`FusedSgd`].
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SgdConfig {
+    /// Learning rate (0.01).
+    pub lr: f64,
+    /// Momentum factor (0: no momentum buffer).
+    pub momentum: f64,
+    /// Dampening of the gradient's contribution to the momentum (0).
+    pub dampening: f64,
+    /// L2 penalty added to the gradient (0).
+    pub weight_decay: f64,
+    /// Nesterov momentum (needs momentum > 0 and no dampening).
+    pub nesterov: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig { lr: 0.01, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false }
+    }
+}
+
+/// Fused multi-tensor SGD over fp32 masters with fp32 momentum buffers.
+#[derive(Debug)]
+pub struct FusedSgd {
+    groups: ParamGroups,
+    config: SgdConfig,
+    step: u64,
+    momentum: Buffers,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Settings {
+    config: SgdConfig,
+    step: u64,
+    groups: Vec<super::GroupOptions>,
+}
+
+impl FusedSgd {
+    /// An optimizer over `groups`; refuses Nesterov without momentum or with dampening, as PyTorch does.
+    pub fn new(groups: ParamGroups, config: SgdConfig) -> Result<Self> {
+        if config.nesterov && (config.momentum <= 0.0 || config.dampening != 0.0) {
+            return Err(Error::OptimizerState {
+                reason: "Nesterov momentum needs momentum > 0 and dampening 0".into(),
+            });
+        }
+        Ok(FusedSgd {
+            momentum: Buffers::zeros("momentum_buffer", &groups.params, config.momentum != 0.0),
+            groups,
+            config,
+            step: 0,
+        })
+    }
+}
+
+impl FusedOptimizer for FusedSgd {
+    fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
+        self.step += 1;
+        for group in 0..self.groups.groups.len() {
+            let options = self.groups.groups[group];
+            let params = SgdParams {
+                lr: options.lr.unwrap_or(self.config.lr),
+                momentum: self.config.momentum,
+                dampening: self.config.dampening,
+                weight_decay: options.weight_decay.unwrap_or(self.config.weight_decay),
+                nesterov: self.config.nesterov,
+                first_step: self.step == 1,
+            };
+            let present = driver::with_grads(&self.groups.params, Some(group), grads);
+            let buffers = &mut self.momentum.values;
+            driver::for_each_batch(&self.groups.params, &present, |indices, views| {
+                let mut tensors: Vec<SgdTensor<'_>> = views
+                    .iter_mut()
+                    .zip(select_mut(buffers, indices))
+                    .map(|(view, buffer)| SgdTensor {
+                        master: &mut *view.master,
+                        grad: view.grad,
+                        momentum_buffer: (params.momentum != 0.0).then_some(buffer.as_mut_slice()),
+                        working: view.working.as_mut().map(|w| w.reborrow()),
+                    })
+                    .collect();
+                sgd_step(&mut tensors, &params, inv_grad_scale);
+            })?;
+        }
+        crate::CastCache::clear();
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+
+    fn param_groups(&self) -> &ParamGroups {
+        &self.groups
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.momentum.bytes()
+    }
+}
+
+impl TrainingState for FusedSgd {
+    fn state_key(&self) -> String {
+        "optimizer".into()
+    }
+
+    fn save_state(&self) -> Result<SavedState> {
+        let settings = Settings { config: self.config, step: self.step, groups: self.groups.groups.clone() };
+        state::save(&settings, &self.groups.params, &[&self.momentum])
+    }
+
+    fn check_state(&self, saved: &SavedState) -> Result<()> {
+        state::check::<Settings>(saved, &self.groups.params, &[&self.momentum]).map(|_| ())
+    }
+
+    fn restore_state(&mut self, saved: SavedState) -> Result<()> {
+        let settings: Settings = state::check(&saved, &self.groups.params, &[&self.momentum])?;
+        state::restore(&saved, &self.groups.params, &mut [&mut self.momentum])?;
+        self.config = settings.config;
+        self.step = settings.step;
+        for (mine, saved) in self.groups.groups.iter_mut().zip(settings.groups) {
+            *mine = saved;
+        }
+        Ok(())
+    }
+}
