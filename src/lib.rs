@@ -46,6 +46,22 @@
 //!     norm: amp::nn::LayerNorm,
 //! }
 //! ```
+//!
+//! Training a model with fp16 layers without a loss scaler does not compile either:
+//!
+//! ```compile_fail,E0277
+//! use amp::{nn::Linear, AmpModule};
+//! #[derive(AmpModule)]
+//! struct Head {
+//!     #[amp(fp16)]
+//!     fc: Linear,
+//! }
+//! fn train(model: &Head, loss: &candle_core::Tensor) -> amp::Result<()> {
+//!     // error: `Linear` is fixed to fp16 here, so this model must be trained with a loss scaler
+//!     amp::scaler::step_unscaled(model, loss, |_grads| Ok(()))?;
+//!     Ok(())
+//! }
+//! ```
 #![warn(missing_docs)]
 
 pub use amp_macros::AmpModule;
@@ -55,6 +71,7 @@ pub use amp_runtime::*;
 #[doc(hidden)]
 pub mod __private {
     pub use amp_runtime::{
-        AmpModule, Cursor, HalfSafe, Plan, PlanField, PlanNode, PrecisionSpec, Visitor, VisitorMut,
+        AmpModule, AskFp16, AskWide, Cursor, HalfSafe, Inherit, NoFp16Under, Plan, PlanField, PlanNode,
+        PrecisionSpec, Request, Visitor, VisitorMut,
     };
 }

@@ -10,7 +10,9 @@
 mod common;
 
 use amp::nn::Linear;
-use amp::optim::{AdamConfig, FusedAdam, FusedLamb, FusedOptimizer, FusedSgd, LambConfig, ParamGroups, SgdConfig};
+use amp::optim::{
+    AdamConfig, FusedAdam, FusedLamb, FusedOptimizer, FusedSgd, LambConfig, ParamGroups, SgdConfig,
+};
 use amp::{AmpConfig, AmpModule, AmpModuleExt, OptLevel, Param, Precision};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -18,6 +20,9 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 const STEPS: usize = 100;
+
+/// One f64 vector per parameter.
+type PerParam = Vec<Vec<f64>>;
 const TOLERANCE: f64 = 2e-5;
 
 #[derive(AmpModule)]
@@ -44,7 +49,14 @@ fn grads_equal_to(model: &One, step: usize, scale: f32) -> amp::Result<(GradStor
     for (_, param) in model.named_params() {
         let w = param.trainable();
         let g = (common::randn(&mut rng, w.dims(), 0.5)? * f64::from(scale))?.to_dtype(w.dtype())?;
-        exact.push(g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?.iter().map(|x| x / f64::from(scale)).collect());
+        exact.push(
+            g.to_dtype(DType::F64)?
+                .flatten_all()?
+                .to_vec1::<f64>()?
+                .iter()
+                .map(|x| x / f64::from(scale))
+                .collect(),
+        );
         loss = (loss + (w.as_tensor() * &g)?.to_dtype(DType::F32)?.sum_all()?)?;
     }
     Ok((loss.backward()?, exact))
@@ -68,7 +80,8 @@ fn assert_working_is_rounded_master(model: &One) -> amp::Result<()> {
     for (path, p) in model.named_params() {
         if let Some(w) = p.working() {
             let rounded = p.master().as_tensor().to_dtype(w.dtype())?;
-            let diff = (w.as_tensor().to_dtype(DType::F32)? - rounded.to_dtype(DType::F32)?)?.abs()?.sum_all()?;
+            let diff =
+                (w.as_tensor().to_dtype(DType::F32)? - rounded.to_dtype(DType::F32)?)?.abs()?.sum_all()?;
             assert_eq!(diff.to_scalar::<f32>()?, 0.0, "{path}: working copy is the rounded master");
         }
     }
@@ -96,7 +109,7 @@ fn run(
 }
 
 fn adam_reference(c: AdamConfig) -> impl FnMut(&mut [Vec<f64>], &[Vec<f64>], usize) {
-    let (mut m, mut v, mut vmax): (Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<Vec<f64>>) = Default::default();
+    let (mut m, mut v, mut vmax): (PerParam, PerParam, PerParam) = Default::default();
     move |params, grads, t| {
         if m.is_empty() {
             m = grads.iter().map(|g| vec![0.0; g.len()]).collect();
@@ -174,7 +187,7 @@ fn sgd_matches_the_f64_reference_in_every_precision() -> amp::Result<()> {
 fn lamb_matches_the_f64_reference_in_every_precision() -> amp::Result<()> {
     let c = LambConfig { lr: 0.01, ..LambConfig::default() };
     for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
-        let (mut m, mut v): (Vec<Vec<f64>>, Vec<Vec<f64>>) = Default::default();
+        let (mut m, mut v): (PerParam, PerParam) = Default::default();
         let reference = move |params: &mut [Vec<f64>], grads: &[Vec<f64>], t: usize| {
             if m.is_empty() {
                 m = grads.iter().map(|g| vec![0.0; g.len()]).collect();

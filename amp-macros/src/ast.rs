@@ -54,12 +54,14 @@ impl<'a> Input<'a> {
             Data::Enum(data) => return Err(syn::Error::new_spanned(data.enum_token, ENUM_UNSUPPORTED)),
             Data::Union(data) => return Err(syn::Error::new_spanned(data.union_token, UNION_UNSUPPORTED)),
         };
+        cx.at_struct();
         let attrs = Attrs::from_syn(cx, &node.attrs);
         let params = generic_names(&node.generics);
         let fields = fields
             .iter()
             .enumerate()
             .map(|(index, field)| {
+                cx.at_field(index);
                 let member = match &field.ident {
                     Some(ident) => Member::Named(ident.clone()),
                     None => Member::Unnamed(index.into()),

@@ -8,17 +8,29 @@ use quote::ToTokens;
 use crate::ast::{Field, Input};
 use crate::attr::Attrs;
 
-/// Collects errors; [`Ctxt::finish`] combines them into one `syn::Error`.
+/// Collects errors; [`Ctxt::finish`] combines them into one `syn::Error`, in source order.
 #[derive(Debug, Default)]
 #[must_use = "call `finish` to report the collected errors"]
 pub struct Ctxt {
-    errors: Option<syn::Error>,
+    /// Where errors are being recorded: 0 for the struct, `i + 1` for field `i`.
+    site: usize,
+    errors: Vec<(usize, syn::Error)>,
 }
 
 impl Ctxt {
     /// An empty context.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Records the following errors against the struct itself.
+    pub fn at_struct(&mut self) {
+        self.site = 0;
+    }
+
+    /// Records the following errors against field `index`.
+    pub fn at_field(&mut self, index: usize) {
+        self.site = index + 1;
     }
 
     /// Records an error spanning the tokens of `tokens`.
@@ -28,15 +40,18 @@ impl Ctxt {
 
     /// Records an error from `syn`.
     pub fn syn_error(&mut self, error: syn::Error) {
-        match &mut self.errors {
-            Some(errors) => errors.combine(error),
-            None => self.errors = Some(error),
-        }
+        self.errors.push((self.site, error));
     }
 
-    /// Every recorded error combined, or `Ok` when there were none.
-    pub fn finish(self) -> syn::Result<()> {
-        match self.errors {
+    /// Every recorded error combined, or `Ok` when there were none. Errors of the struct come first,
+    /// then each field's in declaration order, whichever phase found them.
+    pub fn finish(mut self) -> syn::Result<()> {
+        self.errors.sort_by_key(|(site, _)| *site);
+        let combined = self.errors.into_iter().map(|(_, error)| error).reduce(|mut all, error| {
+            all.combine(error);
+            all
+        });
+        match combined {
             Some(errors) => Err(errors),
             None => Ok(()),
         }
@@ -45,11 +60,13 @@ impl Ctxt {
 
 /// Checks the rules that span more than one attribute entry.
 pub fn check(cx: &mut Ctxt, input: &Input<'_>) {
+    cx.at_struct();
     check_struct_attrs(cx, &input.attrs);
-    for field in &input.fields {
+    check_generic_params(cx, input.generics);
+    for (index, field) in input.fields.iter().enumerate() {
+        cx.at_field(index);
         check_field_attrs(cx, field);
     }
-    check_generic_params(cx, input.generics);
 }
 
 /// `#[amp(default = ...)]` is the only attribute of a struct.
@@ -101,7 +118,8 @@ fn check_field_attrs(cx: &mut Ctxt, field: &Field<'_>) {
     }
 }
 
-/// Helper attributes are in scope on generic parameters too; there they would silently do nothing.
+/// rustc rejects `#[amp]` on a generic parameter only as an unknown attribute, suggesting a missing
+/// derive; this says where the attribute belongs.
 fn check_generic_params(cx: &mut Ctxt, generics: &syn::Generics) {
     for param in &generics.params {
         let attrs = match param {

@@ -4,7 +4,7 @@
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
-use syn::DeriveInput;
+use syn::{DeriveInput, GenericParam, Generics};
 
 use crate::ast::{Field, Input};
 use crate::check::{self, Ctxt};
@@ -38,9 +38,11 @@ fn expand(input: &Input<'_>) -> TokenStream {
     let amp_module = impl_amp_module(input);
     let half_safe = impl_half_safe(input);
     let half_safe_checks = half_safe_checks(input);
+    let no_fp16 = impl_no_fp16_under(input);
     quote! {
         const _: () = {
             #amp_module
+            #no_fp16
             #half_safe
             #half_safe_checks
         };
@@ -52,12 +54,14 @@ fn impl_amp_module(input: &Input<'_>) -> TokenStream {
     let ident = input.ident;
     let (impl_generics, ty_generics, _) = input.generics.split_for_impl();
     let where_clause = where_clause(input);
+    let unlisted = unlisted(!where_clause.is_empty() || has_bounds(input.generics));
     let plan = plan(input);
     let visits: Vec<TokenStream> = input.modules().map(|field| visit_field(field, input, false)).collect();
     let visits_mut: Vec<TokenStream> = input.modules().map(|field| visit_field(field, input, true)).collect();
     let unused = visits.is_empty().then(|| quote!(let _ = (__amp_cursor, __amp_visitor);));
     quote! {
         #[automatically_derived]
+        #unlisted
         impl #impl_generics #private::AmpModule for #ident #ty_generics #where_clause {
             const PLAN: #private::Plan = #plan;
 
@@ -97,6 +101,37 @@ fn where_clause(input: &Input<'_>) -> TokenStream {
         TokenStream::new()
     } else {
         quote!(where #(#predicates),*)
+    }
+}
+
+/// `impl<R: Request> NoFp16Under<R>`: the struct is free of fixed fp16 under the request `R` when each
+/// field is, under its own precision (attribute or struct default) or, without one, under `R`.
+fn impl_no_fp16_under(input: &Input<'_>) -> TokenStream {
+    let private = private();
+    let ident = input.ident;
+    let mut generics = input.generics.clone();
+    generics.params.push(syn::parse_quote!(__AmpR: #private::Request));
+    let (impl_generics, _, _) = generics.split_for_impl();
+    let (_, ty_generics, _) = input.generics.split_for_impl();
+    let written = input.generics.where_clause.iter().flat_map(|clause| clause.predicates.iter());
+    let bounds = input.modules().map(|field| {
+        let ty = field.ty;
+        let request = match field.own().or(input.default()) {
+            None => quote!(__AmpR),
+            Some(Precision::Fp16 | Precision::Half) => {
+                quote!(<__AmpR as #private::Request>::Keep<#private::AskFp16>)
+            }
+            Some(Precision::Fp32 | Precision::Bf16) => {
+                quote!(<__AmpR as #private::Request>::Keep<#private::AskWide>)
+            }
+        };
+        quote_spanned!(ty.span()=> #ty: #private::NoFp16Under<#request>)
+    });
+    let predicates: Vec<TokenStream> = written.map(ToTokens::to_token_stream).chain(bounds).collect();
+    let where_clause = (!predicates.is_empty()).then(|| quote!(where #(#predicates),*));
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #private::NoFp16Under<__AmpR> for #ident #ty_generics #where_clause {}
     }
 }
 
@@ -156,9 +191,10 @@ fn impl_half_safe(input: &Input<'_>) -> TokenStream {
     let private = private();
     let ident = input.ident;
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    let unlisted = unlisted(has_bounds(input.generics));
     quote! {
         #[automatically_derived]
-        #[diagnostic::do_not_recommend]
+        #unlisted
         impl #impl_generics #private::HalfSafe for #ident #ty_generics #where_clause {}
     }
 }
@@ -186,6 +222,24 @@ fn half_safe_checks(input: &Input<'_>) -> TokenStream {
             #(#checks)*
         };
     }
+}
+
+/// `#[diagnostic::do_not_recommend]` for an impl without bounds: it keeps the user's structs out of
+/// rustc's "the following other types implement trait" lists, which would otherwise grow with every
+/// model. An impl with bounds stays listed: there the attribute would also hide which bound failed.
+pub fn unlisted(impl_has_bounds: bool) -> Option<TokenStream> {
+    (!impl_has_bounds).then(|| quote!(#[diagnostic::do_not_recommend]))
+}
+
+/// True when the struct's generics carry bounds, inline or in a where clause.
+pub fn has_bounds(generics: &Generics) -> bool {
+    let where_bounds = generics.where_clause.as_ref().is_some_and(|clause| !clause.predicates.is_empty());
+    let inline_bounds = generics.params.iter().any(|param| match param {
+        GenericParam::Type(param) => !param.bounds.is_empty(),
+        GenericParam::Lifetime(param) => !param.bounds.is_empty(),
+        GenericParam::Const(_) => false,
+    });
+    where_bounds || inline_bounds
 }
 
 /// `Option<PrecisionSpec>` for a precision the macro knows.

@@ -5,7 +5,7 @@ use proc_macro2::TokenStream;
 use quote::quote;
 use syn::DeriveInput;
 
-use crate::expand::private;
+use crate::expand::{has_bounds, private, unlisted};
 
 /// `compile_error!`s for `error`, and `AmpModule` and `HalfSafe` impls with an empty plan.
 pub fn expand(node: &DeriveInput, error: &syn::Error) -> TokenStream {
@@ -14,10 +14,15 @@ pub fn expand(node: &DeriveInput, error: &syn::Error) -> TokenStream {
     let ident = &node.ident;
     let type_name = ident.to_string();
     let (impl_generics, ty_generics, where_clause) = node.generics.split_for_impl();
+    let unlisted = unlisted(has_bounds(&node.generics));
+    let mut with_request = node.generics.clone();
+    with_request.params.push(syn::parse_quote!(__AmpR: #private::Request));
+    let (request_impl_generics, _, _) = with_request.split_for_impl();
     quote! {
         #errors
         const _: () = {
             #[automatically_derived]
+            #unlisted
             impl #impl_generics #private::AmpModule for #ident #ty_generics #where_clause {
                 const PLAN: #private::Plan = #private::Plan {
                     type_name: #type_name,
@@ -33,6 +38,11 @@ pub fn expand(node: &DeriveInput, error: &syn::Error) -> TokenStream {
             }
 
             #[automatically_derived]
+            #[diagnostic::do_not_recommend]
+            impl #request_impl_generics #private::NoFp16Under<__AmpR> for #ident #ty_generics #where_clause {}
+
+            #[automatically_derived]
+            #unlisted
             impl #impl_generics #private::HalfSafe for #ident #ty_generics #where_clause {}
         };
     }

@@ -1,7 +1,5 @@
 //! The words of the `#[amp(...)]` grammar, in one place (serde's `symbol.rs`).
 
-use std::fmt;
-
 use syn::{Ident, Path};
 
 /// A keyword of the attribute grammar.
@@ -15,28 +13,9 @@ pub const DEFAULT: Symbol = Symbol("default");
 /// `#[amp(skip)]` on a field.
 pub const SKIP: Symbol = Symbol("skip");
 
-impl Symbol {
-    /// The keyword as written.
-    pub const fn as_str(self) -> &'static str {
-        self.0
-    }
-}
-
-impl PartialEq<Symbol> for Ident {
-    fn eq(&self, word: &Symbol) -> bool {
-        self == word.0
-    }
-}
-
 impl PartialEq<Symbol> for Path {
     fn eq(&self, word: &Symbol) -> bool {
         self.is_ident(word.0)
-    }
-}
-
-impl fmt::Display for Symbol {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.0)
     }
 }
 

@@ -122,6 +122,9 @@ pub fn save_with<M: AmpModule + ?Sized>(
         .into_iter()
         .map(|(name, p)| Ok((name, p.master().as_tensor().to_dtype(DType::F32)?)))
         .collect::<Result<_>>()?;
+    for (name, buffer) in model.named_buffers() {
+        tensors.push((name, buffer.as_tensor().to_dtype(DType::F32)?));
+    }
     let mut metadata = HashMap::new();
     for state in states {
         let key = state.state_key();
@@ -130,8 +133,12 @@ pub fn save_with<M: AmpModule + ?Sized>(
         tensors.extend(saved.tensors.into_iter().map(|(name, t)| (format!("{STATE_PREFIX}{key}/{name}"), t)));
     }
     let tmp = path.with_extension("safetensors.partial");
-    safetensors::tensor::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata), &tmp)
-        .map_err(|e| io(e.to_string()))?;
+    safetensors::tensor::serialize_to_file(
+        tensors.iter().map(|(n, t)| (n.as_str(), t)),
+        Some(metadata),
+        &tmp,
+    )
+    .map_err(|e| io(e.to_string()))?;
     std::fs::rename(&tmp, path).map_err(|e| io(e.to_string()))
 }
 
@@ -154,7 +161,8 @@ pub fn load_with<M: AmpModule + ?Sized>(
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| io(e.to_string()))?;
     let metadata = header.metadata().clone().unwrap_or_default();
     let device = model.named_params().first().map_or(Device::Cpu, |(_, p)| p.master().device().clone());
-    let mut tensors = candle_core::safetensors::load_buffer(&bytes, &device).map_err(|e| io(e.to_string()))?;
+    let mut tensors =
+        candle_core::safetensors::load_buffer(&bytes, &device).map_err(|e| io(e.to_string()))?;
 
     let mut saved = Vec::with_capacity(states.len());
     for state in states.iter() {
@@ -173,14 +181,21 @@ pub fn load_with<M: AmpModule + ?Sized>(
     tensors.retain(|name, _| !name.starts_with(STATE_PREFIX));
 
     let params = model.named_params();
-    let problems = check(&params, &tensors);
+    let buffers = model.named_buffers();
+    let problems = check(&params, &buffers, &tensors);
     if !problems.is_empty() {
-        return Err(Error::CheckpointRefused { path: path.to_path_buf(), problems: CheckpointProblems(problems) });
+        return Err(Error::CheckpointRefused {
+            path: path.to_path_buf(),
+            problems: CheckpointProblems(problems),
+        });
     }
     for (name, param) in &params {
         // Exact for fp32 masters; O3 models, which keep no fp32 copy, round into their half storage.
         param.master().set(&tensors[name].to_dtype(param.master().dtype())?)?;
         param.refresh_working()?;
+    }
+    for (name, buffer) in &buffers {
+        buffer.set(&tensors[name].to_dtype(buffer.dtype())?)?;
     }
     for (state, one) in states.iter_mut().zip(saved) {
         state.restore_state(one)?;
@@ -188,10 +203,15 @@ pub fn load_with<M: AmpModule + ?Sized>(
     Ok(())
 }
 
-fn check(params: &[(String, crate::Param)], tensors: &HashMap<String, Tensor>) -> Vec<CheckpointProblem> {
+fn check(
+    params: &[(String, crate::Param)],
+    buffers: &[(String, candle_core::Var)],
+    tensors: &HashMap<String, Tensor>,
+) -> Vec<CheckpointProblem> {
     let mut problems = Vec::new();
-    for (name, param) in params {
-        let master = param.master();
+    let expected =
+        params.iter().map(|(name, p)| (name, p.master())).chain(buffers.iter().map(|(n, b)| (n, b)));
+    for (name, master) in expected {
         let Some(tensor) = tensors.get(name) else {
             problems.push(CheckpointProblem::Missing { name: name.clone() });
             continue;
@@ -210,7 +230,8 @@ fn check(params: &[(String, crate::Param)], tensors: &HashMap<String, Tensor>) -
             });
         }
     }
-    let known: BTreeSet<&str> = params.iter().map(|(name, _)| name.as_str()).collect();
+    let known: BTreeSet<&str> =
+        params.iter().map(|(name, _)| name.as_str()).chain(buffers.iter().map(|(n, _)| n.as_str())).collect();
     let mut unexpected: Vec<&String> = tensors.keys().filter(|name| !known.contains(name.as_str())).collect();
     unexpected.sort();
     problems.extend(unexpected.into_iter().map(|name| CheckpointProblem::Unexpected { name: name.clone() }));

@@ -46,6 +46,12 @@ pub trait Layer {
 
     /// Sets the layer's precisions (pinned layers keep fp32 compute whatever is passed).
     fn set_precision(&mut self, precision: LayerPrecision);
+
+    /// Non-trainable fp32 state saved in checkpoints beside the parameters (BatchNorm's running
+    /// statistics). Optimizers and `amp::initialize` never touch it.
+    fn buffers(&self) -> Vec<(&'static str, &candle_core::Var)> {
+        Vec::new()
+    }
 }
 
 /// Implements [`crate::AmpModule`] for a leaf [`Layer`] type.
@@ -58,11 +64,18 @@ pub trait Layer {
 macro_rules! layer_module {
     ($ty:ty) => {
         $crate::layer_module!(@impl $ty, false);
+        #[diagnostic::do_not_recommend]
+        impl $crate::NoFp16Under<$crate::Inherit> for $ty {}
+        #[diagnostic::do_not_recommend]
+        impl $crate::NoFp16Under<$crate::AskWide> for $ty {}
     };
     ($ty:ty, pinned_fp32) => {
         $crate::layer_module!(@impl $ty, true);
+        #[diagnostic::do_not_recommend]
+        impl<R: $crate::Request> $crate::NoFp16Under<R> for $ty {}
     };
     (@impl $ty:ty, $pinned:literal) => {
+        #[diagnostic::do_not_recommend]
         impl $crate::AmpModule for $ty {
             const PLAN: $crate::Plan = $crate::Plan {
                 type_name: ::core::stringify!($ty),

@@ -25,8 +25,8 @@ pub use initialize::initialize;
 pub use layer::{Layer, LayerPrecision};
 pub use master::{grads_to_masters, refresh_working_copies};
 pub use module::{
-    AmpModule, AmpModuleExt, Cursor, HalfSafe, LayerSite, Plan, PlanField, PlanNode, PlanRow, PrecisionPlan,
-    Visitor, VisitorMut,
+    AmpModule, AmpModuleExt, AskFp16, AskWide, Cursor, HalfSafe, Inherit, LayerSite, NoFp16Under, Plan,
+    PlanField, PlanNode, PlanRow, PrecisionPlan, Request, Visitor, VisitorMut,
 };
 pub use param::{Param, ParamStorage};
 pub use policy::{AmpConfig, LossScaling, OptLevel, Policy};

@@ -199,7 +199,7 @@ impl FromStr for PrecisionSpec {
 
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "fp32" | "f32" | "float32" | "float" | "single" => Ok(PrecisionSpec::Fp32),
+            "fp32" | "f32" | "float32" => Ok(PrecisionSpec::Fp32),
             "fp16" | "f16" | "float16" => Ok(PrecisionSpec::Fp16),
             "bf16" | "bfloat16" => Ok(PrecisionSpec::Bf16),
             "half" => Ok(PrecisionSpec::Half),

@@ -38,7 +38,10 @@ pub(crate) fn for_each_batch_mut<R>(
 
 /// Runs `f` on mutable slices of all `tensors` at once (no batching: keep the list short, a few hundred
 /// tensors at most). The caller has checked that storages are distinct ([`check_distinct`]).
-pub(crate) fn with_all_mut<R>(tensors: &[&Tensor], f: impl FnOnce(&mut [GradSliceMut<'_>]) -> R) -> Result<R> {
+pub(crate) fn with_all_mut<R>(
+    tensors: &[&Tensor],
+    f: impl FnOnce(&mut [GradSliceMut<'_>]) -> R,
+) -> Result<R> {
     let mut f = Some(f);
     let mut slot = None;
     nest(tensors, Vec::with_capacity(tensors.len()), &mut |slices: &mut [GradSliceMut<'_>]| {

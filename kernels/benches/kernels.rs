@@ -28,7 +28,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-const ROUNDS: usize = 15;
+const ROUNDS: usize = 31;
 const CHUNK: usize = 1 << 16;
 
 fn shapes() -> Vec<usize> {

@@ -87,6 +87,25 @@ fn finite_values_that_overflow_on_unscale_are_reported() {
 }
 
 #[test]
+fn overflow_on_narrowing_is_flagged_exactly_at_the_rounding_boundary() {
+    // f16: 32768 * s lands exactly on 65520 (the tie between 65504 and inf, which rounds to inf) or one
+    // f32 ulp below it (rounds to 65504). bf16: 2^127 * s lands on 0x7F7F_8000 or just below.
+    let cases =
+        [(Dtype::F16, 32768.0f32, 65520.0f32), (Dtype::Bf16, 2f32.powi(127), f32::from_bits(0x7F7F_8000))];
+    for isa in Isa::supported() {
+        for (dtype, x, tie) in cases {
+            let at = tie / x;
+            let below = f32::from_bits(at.to_bits() - 1);
+            assert_eq!(x * at, tie);
+            let ts = vec![Owned::new(dtype, &[x; 11])];
+            assert_eq!(check(isa, &ts, at), Some(0), "{isa:?} {dtype:?} at the tie");
+            assert_eq!(check(isa, &ts, below), None, "{isa:?} {dtype:?} below the tie");
+            assert_eq!(check(isa, &ts, -at), Some(0), "{isa:?} {dtype:?} negative tie");
+        }
+    }
+}
+
+#[test]
 fn unscaling_by_zero_flags_only_infinities_and_nans() {
     for isa in Isa::supported() {
         let mut ts = vec![Owned::new(Dtype::F16, &[65504.0; 20]), Owned::new(Dtype::F32, &[1.0; 20])];

@@ -14,6 +14,7 @@ fn ui() {
         "not_a_module",
         "unsupported_item",
         "several_errors",
+        "loss_scaling",
     ] {
         t.compile_fail(format!("tests/ui/{category}/*.rs"));
     }

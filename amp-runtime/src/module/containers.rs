@@ -1,7 +1,7 @@
 //! `AmpModule` for containers of modules: `Vec`, `Option`, `Box`, arrays. Elements are visited with
 //! their index as path segment (`layers.3.fc.weight`), as candle-nn's `VarBuilder::pp` names them.
 
-use super::{AmpModule, Cursor, HalfSafe, Plan, PlanNode, Visitor, VisitorMut};
+use super::{AmpModule, Cursor, HalfSafe, NoFp16Under, Plan, PlanNode, Request, Visitor, VisitorMut};
 
 impl<T: AmpModule> AmpModule for Vec<T> {
     const PLAN: Plan =
@@ -57,6 +57,11 @@ impl<T: AmpModule> AmpModule for Box<T> {
         (**self).visit_mut(cursor, visitor);
     }
 }
+
+impl<R: Request, T: NoFp16Under<R>> NoFp16Under<R> for Vec<T> {}
+impl<R: Request, T: NoFp16Under<R>, const N: usize> NoFp16Under<R> for [T; N] {}
+impl<R: Request, T: NoFp16Under<R>> NoFp16Under<R> for Option<T> {}
+impl<R: Request, T: NoFp16Under<R>> NoFp16Under<R> for Box<T> {}
 
 impl<T: HalfSafe> HalfSafe for Vec<T> {}
 impl<T: HalfSafe, const N: usize> HalfSafe for [T; N] {}

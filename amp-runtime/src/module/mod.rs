@@ -4,10 +4,12 @@
 mod containers;
 mod plan;
 mod report;
+mod scaling;
 mod visit;
 
 pub use plan::{Plan, PlanField, PlanNode};
 pub use report::{PlanRow, PrecisionPlan};
+pub use scaling::{AskFp16, AskWide, Inherit, NoFp16Under, Request};
 pub use visit::{Cursor, LayerSite, Visitor, VisitorMut};
 
 /// A model, or part of one, whose layers carry precisions.
@@ -72,6 +74,17 @@ pub trait AmpModuleExt: AmpModule {
         for_each_layer(self, |site, layer| {
             for (name, param) in layer.params() {
                 out.push((site.param_path(name), param.clone()));
+            }
+        });
+        out
+    }
+
+    /// Every non-trainable buffer (BatchNorm running statistics) with its dotted path.
+    fn named_buffers(&self) -> Vec<(String, candle_core::Var)> {
+        let mut out = Vec::new();
+        for_each_layer(self, |site, layer| {
+            for (name, buffer) in layer.buffers() {
+                out.push((site.param_path(name), buffer.clone()));
             }
         });
         out

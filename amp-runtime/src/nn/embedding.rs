@@ -68,5 +68,6 @@ impl Layer for Embedding {
     }
 }
 
+#[diagnostic::do_not_recommend]
 impl HalfSafe for Embedding {}
 crate::layer_module!(Embedding);

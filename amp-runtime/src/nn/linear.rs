@@ -60,7 +60,11 @@ impl Module for Linear {
         };
         let mut y = x.matmul(&w)?;
         if let Some(bias) = &self.bias {
-            y = y.broadcast_add(&bias.in_precision(compute)?)?;
+            // In f32: the bias gradient sums the upstream gradient over the batch, and that sum must not
+            // accumulate in half precision. The result is rounded once, by the output cast.
+            y = y
+                .to_dtype(candle_core::DType::F32)?
+                .broadcast_add(&bias.in_precision(crate::Precision::Fp32)?)?;
         }
         super::cast_output(y, self.precision, xs.dtype())
     }
@@ -91,5 +95,6 @@ impl Layer for Linear {
     }
 }
 
+#[diagnostic::do_not_recommend]
 impl HalfSafe for Linear {}
 crate::layer_module!(Linear);

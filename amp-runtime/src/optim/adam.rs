@@ -121,9 +121,11 @@ impl FusedOptimizer for FusedAdam {
         for group in 0..self.groups.groups.len() {
             let params = self.kernel_params(group);
             let present = driver::with_grads(&self.groups.params, Some(group), grads);
-            let (m, v, vmax) = (&mut self.exp_avg.values, &mut self.exp_avg_sq.values, &mut self.max_exp_avg_sq.values);
+            let (m, v, vmax) =
+                (&mut self.exp_avg.values, &mut self.exp_avg_sq.values, &mut self.max_exp_avg_sq.values);
             driver::for_each_batch(&self.groups.params, &present, |indices, views| {
-                let (m, v, vmax) = (select_mut(m, indices), select_mut(v, indices), select_mut(vmax, indices));
+                let (m, v, vmax) =
+                    (select_mut(m, indices), select_mut(v, indices), select_mut(vmax, indices));
                 let mut tensors: Vec<AdamTensor<'_>> = views
                     .iter_mut()
                     .zip(m.into_iter().zip(v).zip(vmax))

@@ -60,11 +60,19 @@ pub(crate) fn for_each_batch(
                 for (k, &i) in indices.iter().enumerate() {
                     let master = match slices.next() {
                         Some(GradSliceMut::F32(m)) => &mut **m,
-                        _ => return Err(Error::NoFp32Master { path: params[i].path.clone(), precision: crate::Precision::Bf16 }),
+                        _ => {
+                            return Err(Error::NoFp32Master {
+                                path: params[i].path.clone(),
+                                precision: crate::Precision::Bf16,
+                            })
+                        }
                     };
                     let working = if params[i].working.is_some() {
                         let working = slices.next_if_working();
-                        Some(working.ok_or_else(|| Error::Internal { what: "working copy is not half".into() })?)
+                        Some(
+                            working
+                                .ok_or_else(|| Error::Internal { what: "working copy is not half".into() })?,
+                        )
                     } else {
                         None
                     };

@@ -6,23 +6,23 @@
 //! working copy, all in one pass, with no temporary tensor. State is fp32 whatever the parameters are.
 //!
 //! ```
-//! # use amp::nn::{linear, Linear};
-//! # use amp::{AmpConfig, AmpModule, OptLevel, GradScaler};
-//! # use amp::optim::{AdamConfig, FusedAdamW, FusedOptimizer, GroupOptions, OptimParam, ParamGroups};
-//! # use amp::scaler::ScalerConfig;
-//! # use candle_core::{DType, Device, Module, Tensor};
-//! # use candle_nn::{VarBuilder, VarMap};
-//! # #[derive(AmpModule)] struct Net { fc: Linear }
-//! # fn main() -> amp::Result<()> {
-//! # let varmap = VarMap::new();
-//! # let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-//! # let mut model = Net { fc: linear(4, 2, vb.pp("fc"))? };
-//! amp::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
+//! use amp_runtime::nn::{linear, Linear};
+//! use amp_runtime::optim::{AdamConfig, FusedAdamW, GroupOptions, OptimParam, ParamGroups};
+//! use amp_runtime::scaler::ScalerConfig;
+//! use amp_runtime::{AmpConfig, GradScaler, OptLevel};
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//!
+//! # fn main() -> amp_runtime::Result<()> {
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//! let mut model: Vec<Linear> = vec![linear(4, 2, vb.pp("fc"))?]; // any AmpModule
+//! amp_runtime::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
 //! let no_decay = GroupOptions { weight_decay: Some(0.0), ..Default::default() };
 //! let groups = ParamGroups::from_model(&model)?.with_group(OptimParam::is_bias_or_norm, no_decay);
 //! let mut optimizer = FusedAdamW::new(groups, AdamConfig::default())?;
 //! let mut scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
-//! let loss = model.fc.forward(&Tensor::ones((3, 4), DType::F32, &Device::Cpu)?)?.sqr()?.mean_all()?;
+//! let loss = model[0].forward(&Tensor::ones((3, 4), DType::F32, &Device::Cpu)?)?.sqr()?.mean_all()?;
 //! let report = scaler.step_fused(&loss, &mut optimizer, None)?;
 //! assert!(report.applied());
 //! # Ok(()) }
@@ -107,7 +107,8 @@ impl GradScaler {
         }
         let mut factor = inv_scale;
         if let Some(max_norm) = max_grad_norm {
-            let norm = crate::storage::with_slices(&tensors, |s| amp_kernels::norm::global_l2_norm(s, inv_scale))?;
+            let norm =
+                crate::storage::with_slices(&tensors, |s| amp_kernels::norm::global_l2_norm(s, inv_scale))?;
             factor *= amp_kernels::clip::clip_coefficient(norm, max_norm);
         }
         optimizer.step_scaled(&grads, factor)?;

@@ -84,7 +84,8 @@ impl ParamGroups {
 
     /// The variables of a `VarMap`, by name (sorted, so state order is stable).
     pub fn from_varmap(varmap: &VarMap) -> Result<Self> {
-        let data = varmap.data().lock().map_err(|_| Error::Internal { what: "VarMap lock poisoned".into() })?;
+        let data =
+            varmap.data().lock().map_err(|_| Error::Internal { what: "VarMap lock poisoned".into() })?;
         let mut named: Vec<(String, Var)> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         Self::from_named_vars(named)
@@ -98,7 +99,14 @@ impl ParamGroups {
                     let precision = crate::Precision::from_dtype(var.dtype())?;
                     return Err(Error::NoFp32Master { path, precision });
                 }
-                Ok(OptimParam { path, kind: "Var", master: var.clone(), working: None, trainable: var, group: 0 })
+                Ok(OptimParam {
+                    path,
+                    kind: "Var",
+                    master: var.clone(),
+                    working: None,
+                    trainable: var,
+                    group: 0,
+                })
             })
             .collect::<Result<_>>()?;
         Ok(ParamGroups { params, groups: vec![GroupOptions::default()] })

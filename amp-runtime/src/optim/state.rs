@@ -24,7 +24,8 @@ impl std::fmt::Debug for Buffers {
 
 impl Buffers {
     pub(crate) fn zeros(name: &'static str, params: &[OptimParam], used: bool) -> Self {
-        let values = params.iter().map(|p| if used { vec![0.0; p.elem_count()] } else { Vec::new() }).collect();
+        let values =
+            params.iter().map(|p| if used { vec![0.0; p.elem_count()] } else { Vec::new() }).collect();
         Buffers { name, values }
     }
 
@@ -70,7 +71,11 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
             match by_name.get(name.as_str()) {
                 None => return Err(bad(format!("`{name}` is missing"))),
                 Some(t) if t.elem_count() != values.len() => {
-                    return Err(bad(format!("`{name}` has {} values, the parameter {}", t.elem_count(), values.len())))
+                    return Err(bad(format!(
+                        "`{name}` has {} values, the parameter {}",
+                        t.elem_count(),
+                        values.len()
+                    )))
                 }
                 Some(_) => {}
             }

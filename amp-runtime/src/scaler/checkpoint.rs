@@ -12,11 +12,14 @@ struct Saved {
 }
 
 fn parse(state: &SavedState) -> Result<Saved> {
-    let saved: Saved = serde_json::from_str(&state.json)
-        .map_err(|e| Error::InvalidScalerConfig { reason: format!("saved scaler state is unreadable: {e}") })?;
+    let saved: Saved = serde_json::from_str(&state.json).map_err(|e| Error::InvalidScalerConfig {
+        reason: format!("saved scaler state is unreadable: {e}"),
+    })?;
     saved.config.validate()?;
     if !(saved.state.scale.is_finite() && saved.state.scale > 0.0) {
-        return Err(Error::InvalidScalerConfig { reason: format!("saved scale {} is not usable", saved.state.scale) });
+        return Err(Error::InvalidScalerConfig {
+            reason: format!("saved scale {} is not usable", saved.state.scale),
+        });
     }
     Ok(saved)
 }

@@ -221,3 +221,20 @@ impl GradScaler {
 fn first_hit(hits: &[Option<usize>], batch: usize) -> Option<usize> {
     hits.iter().enumerate().find_map(|(b, hit)| hit.map(|i| b * batch + i))
 }
+
+/// One training step without loss scaling, for models that cannot underflow: bf16 and fp32 layers only.
+/// Checks the loss, backward, re-keys half gradients onto the fp32 masters, skips the step if any
+/// gradient is not finite (one read-only pass), else `apply` and the working-copy refresh.
+///
+/// Calling it on a model with a layer fixed to fp16 (or `half`), at any depth, does not compile: see
+/// the `compile_fail` example in the `amp` crate's documentation and `ui-tests/tests/ui/loss_scaling`.
+pub fn step_unscaled<M>(
+    model: &M,
+    loss: &Tensor,
+    apply: impl FnOnce(&mut GradStore) -> Result<()>,
+) -> Result<StepReport>
+where
+    M: AmpModule + crate::NoFp16Under<crate::Inherit> + ?Sized,
+{
+    GradScaler::disabled().with_finite_guard(true).step(model, loss, apply)
+}

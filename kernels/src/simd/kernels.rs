@@ -7,12 +7,12 @@
 
 use std::arch::x86_64::{
     __m256d, __m256i, _mm256_and_si256, _mm256_blendv_ps, _mm256_cmp_ps, _mm256_cmpeq_epi16,
-    _mm256_cmpeq_epi32, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256, _mm256_set1_epi16,
-    _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_pd, _mm256_setzero_si256, _mm256_storeu_pd,
-    _mm256_testz_si256, _CMP_GT_OQ, _CMP_LT_OQ,
+    _mm256_cmpeq_epi32, _mm256_loadu_si256, _mm256_movemask_ps, _mm256_mul_ps, _mm256_or_ps, _mm256_or_si256,
+    _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_pd, _mm256_setzero_ps,
+    _mm256_setzero_si256, _mm256_storeu_pd, _mm256_testz_si256, _CMP_GT_OQ, _CMP_LT_OQ,
 };
 
-use super::{add_squares, Elem, W};
+use super::{add_squares, stores_nonfinite, Elem, W};
 use crate::portable::{reduce_lanes, LANES};
 
 /// Runs `body` on every 8-element group of `x`, the tail through a zero-padded copy.
@@ -38,12 +38,16 @@ unsafe fn for_each8<T: Elem>(x: &mut [T], mut body: impl FnMut(*mut T)) {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn unscale<T: Elem>(x: &mut [T], s: f32) -> bool {
     let sv = _mm256_set1_ps(s);
-    let mut bad = _mm256_setzero_si256();
+    let mut bad = _mm256_setzero_ps();
     // SAFETY: every pointer `for_each8` passes is valid for 8 elements; features checked by caller.
     unsafe {
-        for_each8(x, |p| bad = _mm256_or_si256(bad, T::store8(p, _mm256_mul_ps(T::load8(p), sv))));
+        for_each8(x, |p| {
+            let y = _mm256_mul_ps(T::load8(p), sv);
+            T::store8(p, y);
+            bad = _mm256_or_ps(bad, stores_nonfinite::<T>(y));
+        });
     }
-    _mm256_testz_si256(bad, bad) == 0
+    _mm256_movemask_ps(bad) != 0
 }
 
 /// Clamps `x` to `[lo, hi]` in f32, stored in `T`. NaN stays NaN.

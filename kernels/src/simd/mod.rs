@@ -12,13 +12,13 @@ pub(crate) mod lamb;
 pub(crate) mod optim;
 
 use std::arch::x86_64::{
-    __m128i, __m256, __m256d, __m256i, _mm256_add_epi32, _mm256_add_pd, _mm256_and_si256, _mm256_blendv_epi8,
-    _mm256_castps256_ps128, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_castsi256_si128,
-    _mm256_cmpeq_epi32, _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_cvtps_pd,
-    _mm256_cvtps_ph, _mm256_extractf128_ps, _mm256_extracti128_si256, _mm256_loadu_ps, _mm256_mul_pd,
-    _mm256_or_si256, _mm256_set1_epi32, _mm256_slli_epi32, _mm256_srli_epi32, _mm256_storeu_ps,
-    _mm256_zextsi128_si256, _mm_and_si128, _mm_cmpeq_epi16, _mm_loadu_si128, _mm_packus_epi32,
-    _mm_set1_epi16, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+    __m128i, __m256, __m256d, _mm256_add_epi32, _mm256_add_pd, _mm256_and_ps, _mm256_and_si256,
+    _mm256_blendv_epi8, _mm256_castps256_ps128, _mm256_castps_si256, _mm256_castsi256_ps,
+    _mm256_castsi256_si128, _mm256_cmp_ps, _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
+    _mm256_cvtps_pd, _mm256_cvtps_ph, _mm256_extractf128_ps, _mm256_extracti128_si256, _mm256_loadu_ps,
+    _mm256_mul_pd, _mm256_or_si256, _mm256_set1_epi32, _mm256_set1_ps, _mm256_slli_epi32, _mm256_srli_epi32,
+    _mm256_storeu_ps, _mm_loadu_si128, _mm_packus_epi32, _mm_storeu_si128, _CMP_NLT_UQ,
+    _MM_FROUND_TO_NEAREST_INT,
 };
 
 use std::ptr::null_mut;
@@ -37,11 +37,16 @@ pub(crate) trait Elem: Copy + Default + Send + Sync {
     unsafe fn load8(p: *const Self) -> __m256;
 
     /// Narrows 8 f32 lanes to this type (round to nearest even, NaN stays NaN, as `half`'s `from_f32`)
-    /// and stores them. Returns a mask that is non-zero iff a stored element is infinite or NaN.
+    /// and stores them.
     ///
     /// # Safety
     /// AVX2/FMA/F16C available; `p` valid for writing 8 elements.
-    unsafe fn store8(p: *mut Self, v: __m256) -> __m256i;
+    unsafe fn store8(p: *mut Self, v: __m256);
+
+    /// The smallest f32 magnitude that [`Elem::store8`] turns into an infinity: `|v| >= OVERFLOW` or a
+    /// NaN `v` is exactly the set of lanes stored as non-finite. f32: infinity itself; f16: 65520, the
+    /// tie between 65504 (odd last bit) and infinity; bf16: `0x7F7F_8000`, likewise.
+    const OVERFLOW: f32;
 }
 
 impl Elem for f32 {
@@ -52,14 +57,12 @@ impl Elem for f32 {
     }
 
     #[inline(always)]
-    unsafe fn store8(p: *mut f32, v: __m256) -> __m256i {
-        // SAFETY: caller guarantees AVX2 and 8 writable floats.
-        unsafe {
-            _mm256_storeu_ps(p, v);
-            let exp = _mm256_set1_epi32(0x7F80_0000);
-            _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exp), exp)
-        }
+    unsafe fn store8(p: *mut f32, v: __m256) {
+        // SAFETY: caller guarantees AVX and 8 writable floats.
+        unsafe { _mm256_storeu_ps(p, v) }
     }
+
+    const OVERFLOW: f32 = f32::INFINITY;
 }
 
 impl Elem for f16 {
@@ -70,14 +73,12 @@ impl Elem for f16 {
     }
 
     #[inline(always)]
-    unsafe fn store8(p: *mut f16, v: __m256) -> __m256i {
-        // SAFETY: caller guarantees F16C/AVX2 and 16 writable bytes.
-        unsafe {
-            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-            _mm_storeu_si128(p.cast::<__m128i>(), h);
-            half_nonfinite(h, 0x7C00)
-        }
+    unsafe fn store8(p: *mut f16, v: __m256) {
+        // SAFETY: caller guarantees F16C and 16 writable bytes.
+        unsafe { _mm_storeu_si128(p.cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
     }
+
+    const OVERFLOW: f32 = 65520.0;
 }
 
 impl Elem for bf16 {
@@ -96,23 +97,21 @@ impl Elem for bf16 {
     }
 
     #[inline(always)]
-    unsafe fn store8(p: *mut bf16, v: __m256) -> __m256i {
+    unsafe fn store8(p: *mut bf16, v: __m256) {
         // SAFETY: caller guarantees AVX2 and 16 writable bytes.
-        unsafe {
-            let h = bf16_from_f32x8(v);
-            _mm_storeu_si128(p.cast::<__m128i>(), h);
-            half_nonfinite(h, 0x7F80)
-        }
+        unsafe { _mm_storeu_si128(p.cast::<__m128i>(), bf16_from_f32x8(v)) }
     }
+
+    const OVERFLOW: f32 = f32::from_bits(0x7F7F_8000);
 }
 
-/// Mask (zero-extended to 256 bits) of the 16-bit lanes whose exponent field `exp` is all ones.
+/// Lanes (all ones) whose value `T::store8` stores as infinite or NaN: `|v| >= T::OVERFLOW` or NaN.
 #[inline(always)]
-unsafe fn half_nonfinite(h: __m128i, exp: i16) -> __m256i {
-    // SAFETY: caller guarantees AVX2.
+pub(crate) unsafe fn stores_nonfinite<T: Elem>(v: __m256) -> __m256 {
+    // SAFETY: caller guarantees AVX.
     unsafe {
-        let e = _mm_set1_epi16(exp);
-        _mm256_zextsi128_si256(_mm_cmpeq_epi16(_mm_and_si128(h, e), e))
+        let abs = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF)));
+        _mm256_cmp_ps::<_CMP_NLT_UQ>(abs, _mm256_set1_ps(T::OVERFLOW))
     }
 }
 

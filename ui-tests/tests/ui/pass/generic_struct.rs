@@ -1,5 +1,8 @@
 // A generic field gets a where-clause bound (`AmpModule`, plus `HalfSafe` under a half attribute of its
-// own); a generic field without an attribute takes any module, fp32-pinned ones included.
+// own); a generic field without an attribute takes any module, fp32-pinned ones included. Bounds on
+// private field types of a public struct raise no lint.
+#![deny(private_bounds, private_interfaces, unused)]
+
 use amp::nn::{LayerNorm, Linear};
 use amp::{AmpModule, PlanNode};
 
@@ -20,6 +23,13 @@ where
     blocks: Vec<Block<M, LayerNorm>>,
 }
 
+#[derive(AmpModule)]
+pub struct Public<'a, M, const N: usize> {
+    inner: [Block<M, M>; N],
+    #[amp(skip)]
+    name: &'a str,
+}
+
 const fn field_count<T: AmpModule>() -> usize {
     match T::PLAN.node {
         PlanNode::Struct { fields, .. } => fields.len(),
@@ -30,5 +40,11 @@ const fn field_count<T: AmpModule>() -> usize {
 const _: () = assert!(field_count::<Block<Linear, LayerNorm>>() == 3);
 const _: () = assert!(field_count::<Model<Linear>>() == 1);
 const _: () = assert!(<Model<Linear> as AmpModule>::NEEDS_LOSS_SCALING);
+const _: () = assert!(field_count::<Public<'static, Linear, 2>>() == 1);
 
-fn main() {}
+fn main() {
+    let public: Option<Public<'_, Linear, 2>> = None;
+    if let Some(public) = public {
+        let _ = (public.inner, public.name);
+    }
+}

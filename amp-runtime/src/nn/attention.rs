@@ -1,0 +1,178 @@
+//! Multi-head attention: `y = out_proj(concat_h softmax(q_h k_h^T / sqrt(d) + mask) v_h)`, with
+//! `q = q_proj(query)`, `k = k_proj(context)`, `v = v_proj(context)` split into `h` heads of `d` values.
+//!
+//! Shapes: `query` is `(batch, t_q, embed)`, `context` `(batch, t_k, embed)`, the result
+//! `(batch, t_q, embed)`; every projection is an `(embed, embed)` [`Linear`] with bias.
+//!
+//! Precision: the attention block is a composite, not a [`crate::Layer`]; `amp::initialize` reaches its
+//! four projections (`q_proj`, `k_proj`, `v_proj`, `out_proj`), which inherit the precision requested
+//! for the block. Each projection computes in its own compute precision; the block's own two products,
+//! `q k^T` and `probs v`, run in **`q_proj`'s compute precision** (f32 accumulation). `q` is scaled by
+//! `1/sqrt(d)` before the product (exact when `d` is a power of 4, as 16, 64 and 256 are), so the scores
+//! are `sqrt(d)` times further from fp16's overflow. The mask and softmax are f32 ([`crate::ops::softmax`],
+//! differentiable); the probabilities are rounded once to the compute precision for `probs v`.
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::VarBuilder;
+
+use super::{linear, Linear};
+use crate::{
+    ops, AmpModule, Cursor, HalfSafe, Layer, Plan, PlanField, PlanNode, Precision, Visitor, VisitorMut,
+};
+
+/// Multi-head attention with projections named as PyTorch's and most checkpoints name them: `q_proj`,
+/// `k_proj`, `v_proj`, `out_proj`. Half-safe.
+#[derive(Clone, Debug)]
+pub struct MultiHeadAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    out_proj: Linear,
+    num_heads: usize,
+    causal: bool,
+}
+
+/// Self-attention over `embed_dim` features in `num_heads` heads (which must divide `embed_dim`), its
+/// projections created or loaded through `vb.pp("q_proj")` etc. like `candle_nn::linear`. Not causal;
+/// see [`MultiHeadAttention::with_causal`].
+pub fn multi_head_attention(
+    embed_dim: usize,
+    num_heads: usize,
+    vb: VarBuilder<'_>,
+) -> Result<MultiHeadAttention> {
+    let proj = |name: &str| linear(embed_dim, embed_dim, vb.pp(name));
+    MultiHeadAttention::new([proj("q_proj")?, proj("k_proj")?, proj("v_proj")?, proj("out_proj")?], num_heads)
+}
+
+impl MultiHeadAttention {
+    /// Attention from existing projections `[q, k, v, out]`, each `(embed, embed)`.
+    pub fn new(projections: [Linear; 4], num_heads: usize) -> Result<Self> {
+        let [q_proj, k_proj, v_proj, out_proj] = projections;
+        let (embed, _) = q_proj.weight().trainable().dims2()?;
+        if num_heads == 0 || embed % num_heads != 0 {
+            candle_core::bail!("attention: {num_heads} heads do not divide {embed} features");
+        }
+        Ok(MultiHeadAttention { q_proj, k_proj, v_proj, out_proj, num_heads, causal: false })
+    }
+
+    /// The same attention, masking (`causal = true`) or not the future in [`Module::forward`]: position
+    /// `i` attends to positions `j <= i` only.
+    pub fn with_causal(self, causal: bool) -> Self {
+        MultiHeadAttention { causal, ..self }
+    }
+
+    /// Whether [`Module::forward`] masks the future.
+    pub fn is_causal(&self) -> bool {
+        self.causal
+    }
+
+    /// The number of heads.
+    pub fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    /// The projections `[q_proj, k_proj, v_proj, out_proj]`.
+    pub fn projections(&self) -> [&Linear; 4] {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.out_proj]
+    }
+
+    /// The precision of the attention products: `q_proj`'s compute precision.
+    pub fn compute_precision(&self) -> Precision {
+        self.q_proj.precision().compute
+    }
+
+    /// Attention of `query` `(batch, t_q, embed)` over `context` `(batch, t_k, embed)` (cross-attention;
+    /// self-attention when both are the same tensor), masking `j > i` when `causal`. The result has the
+    /// output precision of `out_proj`, or `query`'s dtype.
+    pub fn attend(&self, query: &Tensor, context: &Tensor, causal: bool) -> Result<Tensor> {
+        let compute = self.compute_precision();
+        let (batch, t_q, embed) = query.dims3()?;
+        let t_k = context.dim(1)?;
+        let head_dim = embed / self.num_heads;
+        let heads = |x: Tensor, len: usize| -> Result<Tensor> {
+            let x = x.reshape((batch, len, self.num_heads, head_dim))?.transpose(1, 2)?.contiguous()?;
+            x.to_dtype(compute.dtype())
+        };
+        let q = (heads(project(&self.q_proj, query)?, t_q)? * (1.0 / (head_dim as f64).sqrt()))?;
+        let k = heads(project(&self.k_proj, context)?, t_k)?;
+        let v = heads(project(&self.v_proj, context)?, t_k)?;
+        let mut scores = ops::matmul(&q, &k.t()?, compute)?.to_dtype(DType::F32)?;
+        if causal {
+            scores = scores.broadcast_add(&causal_mask(t_q, t_k, query.device())?)?;
+        }
+        let probs = ops::softmax(&scores, D::Minus1)?;
+        let mixed = ops::matmul(&probs, &v, compute)?.transpose(1, 2)?.reshape((batch, t_q, embed))?;
+        let y = project(&self.out_proj, &mixed)?;
+        super::cast_output(y, self.out_proj.precision(), query.dtype())
+    }
+}
+
+/// `x W^T + b` in the projection's compute precision, the result left there (no round trip through
+/// the projection's output precision).
+fn project(proj: &Linear, x: &Tensor) -> Result<Tensor> {
+    let compute = proj.precision().compute;
+    let bias = proj.bias().map(|b| b.in_precision(compute)).transpose()?;
+    ops::linear(x, &proj.weight().in_precision(compute)?, bias.as_ref(), compute)
+}
+
+/// `(t_q, t_k)` f32: 0 where `j <= i`, `-inf` where `j > i`.
+fn causal_mask(t_q: usize, t_k: usize, device: &candle_core::Device) -> Result<Tensor> {
+    let mask: Vec<f32> =
+        (0..t_q).flat_map(|i| (0..t_k).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
+    Tensor::from_vec(mask, (t_q, t_k), device)
+}
+
+impl Module for MultiHeadAttention {
+    /// Self-attention of `x` `(batch, t, embed)`, causal if [`MultiHeadAttention::with_causal`] said so.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.attend(x, x, self.causal)
+    }
+}
+
+const PROJECTIONS: [&str; 4] = ["q_proj", "k_proj", "v_proj", "out_proj"];
+
+const fn projection_field(name: &'static str) -> PlanField {
+    PlanField { name, ty: "Linear", precision: None, plan: &<Linear as AmpModule>::PLAN }
+}
+
+#[diagnostic::do_not_recommend]
+impl AmpModule for MultiHeadAttention {
+    const PLAN: Plan = Plan {
+        type_name: "MultiHeadAttention",
+        node: PlanNode::Struct {
+            default: None,
+            fields: &[
+                projection_field(PROJECTIONS[0]),
+                projection_field(PROJECTIONS[1]),
+                projection_field(PROJECTIONS[2]),
+                projection_field(PROJECTIONS[3]),
+            ],
+        },
+    };
+
+    fn visit(&self, cursor: &mut Cursor, visitor: &mut dyn Visitor) {
+        for (name, proj) in PROJECTIONS.into_iter().zip(self.projections()) {
+            cursor.push(name, None);
+            proj.visit(cursor, visitor);
+            cursor.pop();
+        }
+    }
+
+    fn visit_mut(&mut self, cursor: &mut Cursor, visitor: &mut dyn VisitorMut) {
+        let projections = [&mut self.q_proj, &mut self.k_proj, &mut self.v_proj, &mut self.out_proj];
+        for (name, proj) in PROJECTIONS.into_iter().zip(projections) {
+            cursor.push(name, None);
+            proj.visit_mut(cursor, visitor);
+            cursor.pop();
+        }
+    }
+}
+
+#[diagnostic::do_not_recommend]
+impl HalfSafe for MultiHeadAttention {}
+
+// Its projections take the request made for the block, as a half-capable leaf does.
+#[diagnostic::do_not_recommend]
+impl crate::NoFp16Under<crate::Inherit> for MultiHeadAttention {}
+#[diagnostic::do_not_recommend]
+impl crate::NoFp16Under<crate::AskWide> for MultiHeadAttention {}

@@ -1,0 +1,228 @@
+//! Convolutions over one and two spatial dimensions: `y[b, o] = sum_c W[o, c] * x[b, c] + bias[o]`.
+//!
+//! Shapes: [`Conv1d`] takes `x` `(batch, in, length)` and `W` `(out, in / groups, k)`; [`Conv2d`] takes
+//! `x` `(batch, in, height, width)` and `W` `(out, in / groups, k, k)`; `bias` is `(out)`. Configuration
+//! (padding, stride, dilation, groups) is candle-nn's [`Conv1dConfig`] / [`Conv2dConfig`].
+//!
+//! Convolutions are matmul-class: input and weight are cast to the compute precision, the products
+//! accumulate in f32 and the result is rounded to the compute precision; the bias is added in f32 and
+//! the sum rounded once more (so the bias gradient also sums in f32).
+//!
+//! bf16 on CPU, which candle's own conv2d refuses, goes through an exact f32 path: see [`Conv2d`].
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{init, Conv1dConfig, Conv2dConfig, VarBuilder};
+
+use crate::{HalfSafe, Layer, LayerPrecision, Param, Precision};
+
+/// A 1-d convolution with candle-nn's parameter names (`weight`, `bias`), shapes and initialisation.
+#[derive(Clone, Debug)]
+pub struct Conv1d {
+    weight: Param,
+    bias: Option<Param>,
+    config: Conv1dConfig,
+    precision: LayerPrecision,
+}
+
+/// A 2-d convolution (square kernel) with candle-nn's parameter names (`weight`, `bias`), shapes and
+/// initialisation.
+///
+/// **bf16 on CPU.** candle 0.11's CPU `conv2d` refuses bf16 ("unsupported dtype BF16 for op matmul").
+/// This layer then rounds both operands to bf16 as usual, widens them to f32 (exact), convolves in f32
+/// and rounds the result to bf16. A product of two bf16 values (8-bit significands) is exact in f32's
+/// 24 bits, so this is what a bf16 kernel with f32 accumulation computes: same operand roundings, same
+/// accumulation precision, one rounding of the result. The backward runs through the same f32
+/// convolution (candle's f32 conv has a backward) and the gradient is rounded to bf16 on its way back to
+/// the bf16 operand, again as a bf16 kernel would return it. The cost is an f32 copy of input and
+/// kernel. Other devices and dtypes use candle's own conv2d (bf16 `conv1d` works on CPU as it is).
+#[derive(Clone, Debug)]
+pub struct Conv2d {
+    weight: Param,
+    bias: Option<Param>,
+    config: Conv2dConfig,
+    precision: LayerPrecision,
+}
+
+/// A 1-d convolution with bias, created or loaded through `vb` like `candle_nn::conv1d`.
+pub fn conv1d(
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: usize,
+    config: Conv1dConfig,
+    vb: VarBuilder<'_>,
+) -> Result<Conv1d> {
+    let mut layer = conv1d_no_bias(in_channels, out_channels, kernel_size, config, vb.clone())?;
+    layer.bias = Some(conv_bias(in_channels, out_channels, &vb)?);
+    Ok(layer)
+}
+
+/// A 1-d convolution without bias, like `candle_nn::conv1d_no_bias`.
+pub fn conv1d_no_bias(
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: usize,
+    config: Conv1dConfig,
+    vb: VarBuilder<'_>,
+) -> Result<Conv1d> {
+    let shape = (out_channels, in_channels / config.groups, kernel_size);
+    let weight = vb.get_with_hints(shape, "weight", init::DEFAULT_KAIMING_NORMAL)?;
+    Ok(Conv1d::new(Param::from_tensor(&weight)?, None, config))
+}
+
+/// A 2-d convolution with bias, created or loaded through `vb` like `candle_nn::conv2d`.
+pub fn conv2d(
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: usize,
+    config: Conv2dConfig,
+    vb: VarBuilder<'_>,
+) -> Result<Conv2d> {
+    let mut layer = conv2d_no_bias(in_channels, out_channels, kernel_size, config, vb.clone())?;
+    layer.bias = Some(conv_bias(in_channels, out_channels, &vb)?);
+    Ok(layer)
+}
+
+/// A 2-d convolution without bias, like `candle_nn::conv2d_no_bias`.
+pub fn conv2d_no_bias(
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: usize,
+    config: Conv2dConfig,
+    vb: VarBuilder<'_>,
+) -> Result<Conv2d> {
+    let shape = (out_channels, in_channels / config.groups, kernel_size, kernel_size);
+    let weight = vb.get_with_hints(shape, "weight", init::DEFAULT_KAIMING_NORMAL)?;
+    Ok(Conv2d::new(Param::from_tensor(&weight)?, None, config))
+}
+
+/// candle-nn's convolution bias: uniform in `+-1/sqrt(in_channels)`.
+fn conv_bias(in_channels: usize, out_channels: usize, vb: &VarBuilder<'_>) -> Result<Param> {
+    let bound = 1.0 / (in_channels as f64).sqrt();
+    let bias = vb.get_with_hints(out_channels, "bias", init::Init::Uniform { lo: -bound, up: bound })?;
+    Ok(Param::from_tensor(&bias)?)
+}
+
+impl Conv1d {
+    /// A layer from existing parameters: `weight` `(out, in / groups, k)`, `bias` `(out)`.
+    pub fn new(weight: Param, bias: Option<Param>, config: Conv1dConfig) -> Self {
+        Conv1d { weight, bias, config, precision: LayerPrecision::FP32 }
+    }
+
+    /// The kernel, `(out, in / groups, k)`.
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// The bias, `(out)`.
+    pub fn bias(&self) -> Option<&Param> {
+        self.bias.as_ref()
+    }
+
+    /// Padding, stride, dilation and groups.
+    pub fn config(&self) -> &Conv1dConfig {
+        &self.config
+    }
+}
+
+impl Conv2d {
+    /// A layer from existing parameters: `weight` `(out, in / groups, k, k)`, `bias` `(out)`.
+    pub fn new(weight: Param, bias: Option<Param>, config: Conv2dConfig) -> Self {
+        Conv2d { weight, bias, config, precision: LayerPrecision::FP32 }
+    }
+
+    /// The kernel, `(out, in / groups, k, k)`.
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// The bias, `(out)`.
+    pub fn bias(&self) -> Option<&Param> {
+        self.bias.as_ref()
+    }
+
+    /// Padding, stride, dilation and groups.
+    pub fn config(&self) -> &Conv2dConfig {
+        &self.config
+    }
+}
+
+impl Module for Conv1d {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let compute = self.precision.compute;
+        let x = xs.to_dtype(compute.dtype())?;
+        let w = self.weight.in_precision(compute)?;
+        let c = &self.config;
+        let y = x.conv1d_with_algo(&w, c.padding, c.stride, c.dilation, c.groups, c.cudnn_fwd_algo)?;
+        let y = add_bias(y, self.bias.as_ref(), 3)?;
+        super::cast_output(y, self.precision, xs.dtype())
+    }
+}
+
+impl Module for Conv2d {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let compute = self.precision.compute;
+        let x = xs.to_dtype(compute.dtype())?;
+        let w = self.weight.in_precision(compute)?;
+        let y = conv2d_any_dtype(&x, &w, &self.config)?;
+        let y = add_bias(y, self.bias.as_ref(), 4)?;
+        super::cast_output(y, self.precision, xs.dtype())
+    }
+}
+
+/// candle's `conv2d`, except for bf16 on CPU, which it lacks: there the bf16 operands are widened to
+/// f32 exactly, convolved with f32 accumulation, and the result rounded to bf16 (see [`Conv2d`]).
+fn conv2d_any_dtype(x: &Tensor, w: &Tensor, c: &Conv2dConfig) -> Result<Tensor> {
+    if x.dtype() == DType::BF16 && x.device().is_cpu() {
+        let (x, w) = (x.to_dtype(DType::F32)?, w.to_dtype(DType::F32)?);
+        let y = x.conv2d_with_algo(&w, c.padding, c.stride, c.dilation, c.groups, c.cudnn_fwd_algo)?;
+        return y.to_dtype(DType::BF16);
+    }
+    x.conv2d_with_algo(w, c.padding, c.stride, c.dilation, c.groups, c.cudnn_fwd_algo)
+}
+
+/// Adds the `(out)` bias along dim 1 of a rank-`rank` result in f32 and rounds the sum once to the
+/// result's dtype (a GEMM epilogue's order). Adding in f32 also makes the bias gradient, a sum over
+/// batch and positions, accumulate in f32 rather than in the half dtype.
+fn add_bias(y: Tensor, bias: Option<&Param>, rank: usize) -> Result<Tensor> {
+    let Some(bias) = bias else { return Ok(y) };
+    let bias = bias.in_precision(Precision::Fp32)?;
+    let mut shape = vec![1; rank];
+    shape[1] = bias.dims1()?;
+    y.to_dtype(DType::F32)?.broadcast_add(&bias.reshape(shape)?)?.to_dtype(y.dtype())
+}
+
+macro_rules! conv_layer {
+    ($ty:ident, $kind:literal) => {
+        impl Layer for $ty {
+            fn kind(&self) -> &'static str {
+                $kind
+            }
+            fn pinned_fp32(&self) -> bool {
+                false
+            }
+            fn params(&self) -> Vec<(&'static str, &Param)> {
+                let mut params = vec![("weight", &self.weight)];
+                params.extend(self.bias.as_ref().map(|b| ("bias", b)));
+                params
+            }
+            fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
+                let mut params = vec![("weight", &mut self.weight)];
+                params.extend(self.bias.as_mut().map(|b| ("bias", b)));
+                params
+            }
+            fn precision(&self) -> LayerPrecision {
+                self.precision
+            }
+            fn set_precision(&mut self, precision: LayerPrecision) {
+                self.precision = precision;
+            }
+        }
+
+        #[diagnostic::do_not_recommend]
+        impl HalfSafe for $ty {}
+        crate::layer_module!($ty);
+    };
+}
+
+conv_layer!(Conv1d, "Conv1d");
+conv_layer!(Conv2d, "Conv2d");

@@ -1,0 +1,106 @@
+//! Group normalisation, statistics in fp32: channels split into `groups` groups; each sample's group is
+//! normalised by its own mean and biased variance, then scaled and shifted per channel:
+//! `y = (x - mean_g) / sqrt(var_g + eps) * weight[c] + bias[c]`.
+//!
+//! Shapes: `x` is `(batch, channels, ..)` with at least one dimension after the channels; `weight` and
+//! `bias` are `(channels)`. Written with differentiable candle ops in f32 whatever the input dtype: a
+//! group's variance of fp16 activations of a few hundred already overflows 65504 when squared in fp16.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{init, VarBuilder};
+
+use crate::{Layer, LayerPrecision, Param, Precision};
+
+/// Group normalisation with candle-nn's parameter names (`weight`, `bias`). Pinned to fp32.
+#[derive(Clone, Debug)]
+pub struct GroupNorm {
+    weight: Param,
+    bias: Param,
+    groups: usize,
+    eps: f64,
+    precision: LayerPrecision,
+}
+
+/// A group norm of `num_channels` channels in `num_groups` groups, with `weight` (ones) and `bias`
+/// (zeros), created or loaded through `vb` like `candle_nn::group_norm`.
+pub fn group_norm(num_groups: usize, num_channels: usize, eps: f64, vb: VarBuilder<'_>) -> Result<GroupNorm> {
+    let weight = vb.get_with_hints(num_channels, "weight", init::Init::Const(1.0))?;
+    let bias = vb.get_with_hints(num_channels, "bias", init::Init::Const(0.0))?;
+    GroupNorm::new(Param::from_tensor(&weight)?, Param::from_tensor(&bias)?, num_groups, eps)
+}
+
+impl GroupNorm {
+    /// A group norm from existing `(channels)` parameters; `groups` must divide the channel count.
+    pub fn new(weight: Param, bias: Param, groups: usize, eps: f64) -> Result<Self> {
+        let channels = weight.trainable().dims1()?;
+        if groups == 0 || channels % groups != 0 {
+            candle_core::bail!("group-norm: {groups} groups do not divide {channels} channels");
+        }
+        if bias.trainable().dims() != [channels] {
+            candle_core::bail!(
+                "group-norm: bias has shape {:?}, expected [{channels}]",
+                bias.trainable().dims()
+            );
+        }
+        Ok(GroupNorm { weight, bias, groups, eps, precision: LayerPrecision::FP32 })
+    }
+
+    /// The scale, `(channels)`.
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// The shift, `(channels)`.
+    pub fn bias(&self) -> &Param {
+        &self.bias
+    }
+
+    /// The number of groups.
+    pub fn groups(&self) -> usize {
+        self.groups
+    }
+}
+
+impl Module for GroupNorm {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let channels = self.weight.elem_count();
+        if xs.rank() < 3 || xs.dim(1)? != channels {
+            candle_core::bail!("group-norm: input {:?} needs rank >= 3 and {channels} channels", xs.shape());
+        }
+        let batch = xs.dim(0)?;
+        let x = xs.to_dtype(DType::F32)?.reshape((batch, self.groups, ()))?;
+        let size = x.dim(2)? as f64;
+        let centered = x.broadcast_sub(&(x.sum_keepdim(2)? / size)?)?;
+        let variance = (centered.sqr()?.sum_keepdim(2)? / size)?;
+        let normed = centered.broadcast_div(&(variance + self.eps)?.sqrt()?)?.reshape(xs.shape())?;
+        let mut shape = vec![1; xs.rank()];
+        shape[1] = channels;
+        let weight = self.weight.in_precision(Precision::Fp32)?.reshape(shape.as_slice())?;
+        let bias = self.bias.in_precision(Precision::Fp32)?.reshape(shape)?;
+        let y = normed.broadcast_mul(&weight)?.broadcast_add(&bias)?;
+        super::cast_output(y, self.precision, xs.dtype())
+    }
+}
+
+impl Layer for GroupNorm {
+    fn kind(&self) -> &'static str {
+        "GroupNorm"
+    }
+    fn pinned_fp32(&self) -> bool {
+        true
+    }
+    fn params(&self) -> Vec<(&'static str, &Param)> {
+        vec![("weight", &self.weight), ("bias", &self.bias)]
+    }
+    fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
+        vec![("weight", &mut self.weight), ("bias", &mut self.bias)]
+    }
+    fn precision(&self) -> LayerPrecision {
+        self.precision
+    }
+    fn set_precision(&mut self, precision: LayerPrecision) {
+        self.precision = LayerPrecision { compute: Precision::Fp32, ..precision };
+    }
+}
+
+crate::layer_module!(GroupNorm, pinned_fp32);

@@ -1,0 +1,166 @@
+//! Optimizer-step benchmark on the 25.2M-parameter / 98-tensor set of the performance baselines
+//! (8 transformer layers, d = 512, ffn = 2048, plus a final norm), measured side by side in one run:
+//! fused AdamW (fp32, and mixed: f16 gradients, fp32 master and state, f16 working copy) against
+//! `candle_nn::AdamW` and against the machine's streaming bandwidth measured by the same binary.
+//!
+//! Run: `cargo bench --bench optimizer_step`
+//!
+//! Bytes counted: fp32 AdamW reads p, g, m, v and writes p, m, v: 28 B/param. Mixed reads an f16 g,
+//! p, m, v and writes p, m, v and the f16 working copy: 2 + 12 + 12 + 2 = 28 B/param. The bandwidth
+//! reference is an in-place stream update `a = a + s * b` (two reads, one write back to a line just
+//! read: 12 B/element, all of it real traffic, as in the optimizer; a triad into a third array would pay
+//! an uncounted write-allocate).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use amp::nn::Linear;
+use amp::optim::{AdamConfig, FusedAdam, FusedOptimizer, ParamGroups};
+use amp::{AmpConfig, AmpModuleExt, OptLevel, Param, Precision};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::Optimizer;
+use rayon::prelude::*;
+
+struct Counting;
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: forwarded unchanged to the system allocator.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// The 98 tensor shapes: per layer qkv (1536x512), out (512x512), ffn (2048x512, 512x2048) with biases
+/// and two layer norms; then a final norm. 25,220,096 values.
+fn shapes() -> Vec<Vec<usize>> {
+    let mut shapes = Vec::new();
+    for _ in 0..8 {
+        for (rows, cols) in [(1536, 512), (512, 512), (2048, 512), (512, 2048)] {
+            shapes.push(vec![rows, cols]);
+            shapes.push(vec![rows]);
+        }
+        shapes.extend([vec![512], vec![512], vec![512], vec![512]]);
+    }
+    shapes.extend([vec![512], vec![512]]);
+    shapes
+}
+
+/// Gradients of `sum(0.01 * w)` for every variable: 0.01 everywhere, in each variable's dtype.
+fn grads_for(vars: &[Var]) -> candle_core::Result<GradStore> {
+    let mut loss = Tensor::new(0f32, &Device::Cpu)?;
+    for v in vars {
+        loss = (loss + (v.as_tensor() * 0.01)?.to_dtype(DType::F32)?.sum_all()?)?;
+    }
+    loss.backward()
+}
+
+fn median_ms(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+fn time_ms(f: impl FnOnce()) -> f64 {
+    let start = Instant::now();
+    f();
+    start.elapsed().as_secs_f64() * 1e3
+}
+
+fn main() -> amp::Result<()> {
+    let shapes = shapes();
+    let n: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    assert_eq!((shapes.len(), n), (98, 25_220_096));
+    println!(
+        "parameter set: {n} values in {} tensors, {} rayon threads",
+        shapes.len(),
+        rayon::current_num_threads()
+    );
+
+    let make = || -> candle_core::Result<Vec<Var>> {
+        shapes.iter().map(|s| Var::ones(s.as_slice(), DType::F32, &Device::Cpu)).collect()
+    };
+    // fp32: fused and candle-nn on separate copies.
+    let fused_vars = make()?;
+    let fused_grads = grads_for(&fused_vars)?;
+    let mut fused = FusedAdam::new(ParamGroups::from_vars(fused_vars)?, AdamConfig::default())?;
+    let candle_vars = make()?;
+    let candle_grads = grads_for(&candle_vars)?;
+    let mut candle = candle_nn::AdamW::new(candle_vars, candle_nn::ParamsAdamW::default())?;
+    // Mixed: fp32 masters with f16 working copies, f16 gradients.
+    let mut mixed_model: Vec<Linear> =
+        make()?.into_iter().map(|v| Linear::new(Param::new(v), None)).collect();
+    amp::initialize(&mut mixed_model, AmpConfig { opt_level: OptLevel::O2, half: Precision::Fp16 })?;
+    let mixed_grads = grads_for(&mixed_model.trainable_vars())?;
+    let mut mixed = FusedAdam::new(ParamGroups::from_model(&mixed_model)?, AdamConfig::default())?;
+    // Stream update over as many elements as the parameters.
+    let (mut a, b) = (vec![1f32; n], vec![2f32; n]);
+    let triad = |a: &mut [f32]| {
+        a.par_chunks_mut(1 << 16).zip(b.par_chunks(1 << 16)).for_each(|(a, b)| {
+            for (a, b) in a.iter_mut().zip(b) {
+                *a += 1e-3 * b;
+            }
+        })
+    };
+
+    let (mut t_stream, mut t_fused, mut t_mixed, mut t_candle) = (vec![], vec![], vec![], vec![]);
+    let mut allocations = (0, 0);
+    for round in 0..9 {
+        t_stream.push(time_ms(|| triad(black_box(&mut a))));
+        t_fused.push(time_ms(|| fused.step(&fused_grads).expect("fused step")));
+        t_mixed.push(time_ms(|| mixed.step_scaled(&mixed_grads, 1.0).expect("mixed step")));
+        if round % 3 == 0 {
+            t_candle.push(time_ms(|| candle.step(&candle_grads).expect("candle-nn step")));
+        }
+        if round == 1 {
+            ALLOCATIONS.store(0, Ordering::SeqCst);
+            COUNTING.store(true, Ordering::SeqCst);
+            fused.step(&fused_grads)?;
+            COUNTING.store(false, Ordering::SeqCst);
+            allocations.0 = ALLOCATIONS.swap(0, Ordering::SeqCst);
+            COUNTING.store(true, Ordering::SeqCst);
+            mixed.step(&mixed_grads)?;
+            COUNTING.store(false, Ordering::SeqCst);
+            allocations.1 = ALLOCATIONS.load(Ordering::SeqCst);
+        }
+    }
+    let (stream, fused_ms, mixed_ms, candle_ms) =
+        (median_ms(t_stream), median_ms(t_fused), median_ms(t_mixed), median_ms(t_candle));
+    let gbs = |bytes_per: f64, ms: f64| bytes_per * n as f64 / ms / 1e6;
+    let bandwidth = gbs(12.0, stream);
+    println!();
+    println!("| work | median ms | GB/s | of stream bandwidth | vs candle-nn AdamW | allocations/step |");
+    println!("|---|---|---|---|---|---|");
+    println!("| stream update a += s*b (12 B/elem) | {stream:.2} | {bandwidth:.1} | 100% | | |");
+    for (name, ms, allocs) in [
+        ("fused AdamW fp32 (28 B/param)", fused_ms, Some(allocations.0)),
+        ("fused AdamW mixed f16 (28 B/param)", mixed_ms, Some(allocations.1)),
+    ] {
+        let rate = gbs(28.0, ms);
+        let allocs = allocs.map_or(String::new(), |a| a.to_string());
+        println!(
+            "| {name} | {ms:.2} | {rate:.1} | {:.0}% | {:.1}x faster | {allocs} |",
+            100.0 * rate / bandwidth,
+            candle_ms / ms
+        );
+    }
+    println!(
+        "| candle_nn::AdamW fp32 | {candle_ms:.2} | {:.1} | {:.0}% | 1.0x | |",
+        gbs(28.0, candle_ms),
+        100.0 * gbs(28.0, candle_ms) / bandwidth
+    );
+    Ok(())
+}
