@@ -273,3 +273,21 @@ fn o3_models_and_half_variables_are_refused_with_the_fix() -> amp::Result<()> {
     assert!(err.contains("param.0") && err.contains("fp16"), "{err}");
     Ok(())
 }
+
+#[test]
+fn optimizer_state_is_accounted_in_the_precision_plan() -> amp::Result<()> {
+    let model = model(Precision::Bf16, 2)?;
+    let params = model.precision_plan().params();
+    let adam = FusedAdam::new(ParamGroups::from_model(&model)?, AdamConfig::default())?;
+    let amsgrad =
+        FusedAdam::new(ParamGroups::from_model(&model)?, AdamConfig { amsgrad: true, ..Default::default() })?;
+    let sgd =
+        FusedSgd::new(ParamGroups::from_model(&model)?, SgdConfig { momentum: 0.9, ..Default::default() })?;
+    assert_eq!(adam.state_bytes(), 8 * params, "two fp32 moments");
+    assert_eq!(amsgrad.state_bytes(), 12 * params, "plus the running maximum");
+    assert_eq!(sgd.state_bytes(), 4 * params, "one fp32 momentum buffer");
+    let plan = model.precision_plan().with_optimizer_state(adam.state_bytes());
+    assert!(plan.to_string().contains(&format!("optimizer state{}", "")), "{plan}");
+    assert!(plan.to_string().contains(&(8 * params).to_string()), "{plan}");
+    Ok(())
+}

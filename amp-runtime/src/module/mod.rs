@@ -49,7 +49,8 @@ pub trait AmpModule {
     note = "norms, softmax and losses reduce over many values; in fp16 or bf16 those sums lose precision \
             or overflow, so amp keeps them in fp32 (as Apex and torch.autocast do)",
     note = "write `#[amp(fp32)]` on this field, or remove the attribute: the layer then stays fp32 \
-            whatever its parent's default is"
+            whatever its parent's default is (for binary cross-entropy on half outputs, use the logits \
+            form, `BceWithLogitsLoss`)"
 )]
 pub trait HalfSafe {}
 

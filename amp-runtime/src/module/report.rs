@@ -47,6 +47,8 @@ impl PlanRow {
 pub struct PrecisionPlan {
     /// One row per layer, in declaration order.
     pub rows: Vec<PlanRow>,
+    /// Bytes of optimizer state, once an optimizer is accounted with [`PrecisionPlan::with_optimizer_state`].
+    pub optimizer_state_bytes: usize,
 }
 
 impl PrecisionPlan {
@@ -63,6 +65,12 @@ impl PrecisionPlan {
     /// Total parameter bytes as stored.
     pub fn bytes_planned(&self) -> usize {
         self.rows.iter().map(|r| r.bytes_planned).sum()
+    }
+
+    /// The same plan with `bytes` of optimizer state (`FusedOptimizer::state_bytes`) in its totals.
+    pub fn with_optimizer_state(mut self, bytes: usize) -> Self {
+        self.optimizer_state_bytes = bytes;
+        self
     }
 
     /// True when some layer computes in fp16 now.
@@ -103,6 +111,13 @@ impl fmt::Display for PrecisionPlan {
             )?;
         }
         let ratio = self.bytes_planned() as f64 / self.bytes_fp32().max(1) as f64;
+        if self.optimizer_state_bytes > 0 {
+            writeln!(
+                f,
+                "{:<path_width$}  {:<10}  {:<7}  {:<20}  {:>10}  {:>12}  {:>13}",
+                "optimizer state", "", "fp32", "", "", "", self.optimizer_state_bytes
+            )?;
+        }
         write!(
             f,
             "{:<path_width$}  {:<10}  {:<7}  {:<20}  {:>10}  {:>12}  {:>13}  ({ratio:.2}x of fp32)",

@@ -19,6 +19,7 @@ mod embedding;
 mod group_norm;
 mod layer_norm;
 mod linear;
+mod loss;
 mod rms_norm;
 
 pub use attention::{multi_head_attention, MultiHeadAttention};
@@ -30,6 +31,7 @@ pub use embedding::{embedding, Embedding};
 pub use group_norm::{group_norm, GroupNorm};
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use linear::{linear, linear_no_bias, Linear};
+pub use loss::{BceWithLogitsLoss, BinaryCrossEntropyLoss, CrossEntropyLoss, MseLoss};
 pub use rms_norm::{rms_norm, RmsNorm};
 
 use candle_core::{DType, Result, Tensor};
