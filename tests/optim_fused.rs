@@ -291,3 +291,26 @@ fn optimizer_state_is_accounted_in_the_precision_plan() -> amp::Result<()> {
     assert!(plan.to_string().contains(&(8 * params).to_string()), "{plan}");
     Ok(())
 }
+
+#[test]
+fn clipping_by_value_and_varmap_parameters() -> amp::Result<()> {
+    use amp::optim::clip_grad_value;
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let w = vb.get_with_hints((4, 4), "w", candle_nn::init::Init::Const(1.0))?;
+    let b = vb.get_with_hints(4, "b", candle_nn::init::Init::Const(0.0))?;
+    let groups = ParamGroups::from_varmap(&varmap)?;
+    let names: Vec<&str> = groups.params().iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(names, ["b", "w"], "VarMap parameters by name");
+    let mut sgd = FusedSgd::new(groups, SgdConfig { lr: 1.0, ..SgdConfig::default() })?;
+    // Gradients 3 * 8 = 24 per element (scaled by 8), clipped to 0.5 in unscaled units.
+    let loss = ((w.sum_all()? + b.sum_all()?)? * 24.0)?;
+    let grads = loss.backward()?;
+    clip_grad_value(&sgd, &grads, 0.5, 1.0 / 8.0)?;
+    let g = grads.get(&w).expect("gradient").flatten_all()?.to_vec1::<f32>()?;
+    assert!(g.iter().all(|&x| x == 4.0), "clamped at 0.5 * 8 in scaled units: {g:?}");
+    sgd.step_scaled(&grads, 1.0 / 8.0)?;
+    let w_after = w.flatten_all()?.to_vec1::<f32>()?;
+    assert!(w_after.iter().all(|&x| x == 0.5), "SGD moved each weight by lr * 0.5: {w_after:?}");
+    Ok(())
+}

@@ -8,7 +8,6 @@ use super::driver::{self, select_mut};
 use super::params::ParamGroups;
 use super::state::{self, Buffers};
 use super::FusedOptimizer;
-use crate::checkpoint::{SavedState, TrainingState};
 use crate::error::Result;
 
 /// Settings of [`FusedAdam`]. The default is PyTorch's AdamW.
@@ -67,13 +66,6 @@ pub struct FusedAdam {
 
 /// AdamW is [`FusedAdam`] with its default config.
 pub type FusedAdamW = FusedAdam;
-
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Settings {
-    config: AdamConfig,
-    step: u64,
-    groups: Vec<super::GroupOptions>,
-}
 
 impl FusedAdam {
     /// An optimizer over `groups` with zeroed moments.
@@ -162,31 +154,27 @@ impl FusedOptimizer for FusedAdam {
     }
 }
 
-impl TrainingState for FusedAdam {
-    fn state_key(&self) -> String {
-        "optimizer".into()
+impl state::Checkpointed for FusedAdam {
+    type Config = AdamConfig;
+
+    fn core(&self) -> (AdamConfig, u64, &ParamGroups) {
+        (self.config, self.step, &self.groups)
     }
 
-    fn save_state(&self) -> Result<SavedState> {
-        let settings = Settings { config: self.config, step: self.step, groups: self.groups.groups.clone() };
-        state::save(&settings, &self.groups.params, &[&self.exp_avg, &self.exp_avg_sq, &self.max_exp_avg_sq])
+    fn buffers(&self) -> Vec<&Buffers> {
+        vec![&self.exp_avg, &self.exp_avg_sq, &self.max_exp_avg_sq]
     }
 
-    fn check_state(&self, saved: &SavedState) -> Result<()> {
-        let buffers = [&self.exp_avg, &self.exp_avg_sq, &self.max_exp_avg_sq];
-        state::check::<Settings>(saved, &self.groups.params, &buffers).map(|_| ())
-    }
-
-    fn restore_state(&mut self, saved: SavedState) -> Result<()> {
-        let buffers = [&self.exp_avg, &self.exp_avg_sq, &self.max_exp_avg_sq];
-        let settings: Settings = state::check(&saved, &self.groups.params, &buffers)?;
-        let mut buffers = [&mut self.exp_avg, &mut self.exp_avg_sq, &mut self.max_exp_avg_sq];
-        state::restore(&saved, &self.groups.params, &mut buffers)?;
-        self.config = settings.config;
-        self.step = settings.step;
-        for (mine, saved) in self.groups.groups.iter_mut().zip(settings.groups) {
+    fn restore_core(
+        &mut self,
+        config: AdamConfig,
+        step: u64,
+        groups: Vec<super::GroupOptions>,
+    ) -> Vec<&mut Buffers> {
+        (self.config, self.step) = (config, step);
+        for (mine, saved) in self.groups.groups.iter_mut().zip(groups) {
             *mine = saved;
         }
-        Ok(())
+        vec![&mut self.exp_avg, &mut self.exp_avg_sq, &mut self.max_exp_avg_sq]
     }
 }

@@ -8,7 +8,6 @@ use super::driver::{self, select_mut};
 use super::params::ParamGroups;
 use super::state::{self, Buffers};
 use super::FusedOptimizer;
-use crate::checkpoint::{SavedState, TrainingState};
 use crate::error::Result;
 
 /// Settings of [`FusedLamb`]; defaults are Apex `FusedLAMB`'s.
@@ -59,13 +58,6 @@ pub struct FusedLamb {
     exp_avg: Buffers,
     exp_avg_sq: Buffers,
     norms: Vec<TensorNorms>,
-}
-
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Settings {
-    config: LambConfig,
-    step: u64,
-    groups: Vec<super::GroupOptions>,
 }
 
 impl FusedLamb {
@@ -148,31 +140,27 @@ impl FusedOptimizer for FusedLamb {
     }
 }
 
-impl TrainingState for FusedLamb {
-    fn state_key(&self) -> String {
-        "optimizer".into()
+impl state::Checkpointed for FusedLamb {
+    type Config = LambConfig;
+
+    fn core(&self) -> (LambConfig, u64, &ParamGroups) {
+        (self.config, self.step, &self.groups)
     }
 
-    fn save_state(&self) -> Result<SavedState> {
-        let settings = Settings { config: self.config, step: self.step, groups: self.groups.groups.clone() };
-        state::save(&settings, &self.groups.params, &[&self.exp_avg, &self.exp_avg_sq])
+    fn buffers(&self) -> Vec<&Buffers> {
+        vec![&self.exp_avg, &self.exp_avg_sq]
     }
 
-    fn check_state(&self, saved: &SavedState) -> Result<()> {
-        let buffers = [&self.exp_avg, &self.exp_avg_sq];
-        state::check::<Settings>(saved, &self.groups.params, &buffers).map(|_| ())
-    }
-
-    fn restore_state(&mut self, saved: SavedState) -> Result<()> {
-        let buffers = [&self.exp_avg, &self.exp_avg_sq];
-        let settings: Settings = state::check(&saved, &self.groups.params, &buffers)?;
-        let mut buffers = [&mut self.exp_avg, &mut self.exp_avg_sq];
-        state::restore(&saved, &self.groups.params, &mut buffers)?;
-        self.config = settings.config;
-        self.step = settings.step;
-        for (mine, saved) in self.groups.groups.iter_mut().zip(settings.groups) {
+    fn restore_core(
+        &mut self,
+        config: LambConfig,
+        step: u64,
+        groups: Vec<super::GroupOptions>,
+    ) -> Vec<&mut Buffers> {
+        (self.config, self.step) = (config, step);
+        for (mine, saved) in self.groups.groups.iter_mut().zip(groups) {
             *mine = saved;
         }
-        Ok(())
+        vec![&mut self.exp_avg, &mut self.exp_avg_sq]
     }
 }

@@ -80,6 +80,24 @@ pub fn global_grad_norm(optimizer: &dyn FusedOptimizer, grads: &GradStore, inv_s
     crate::storage::with_slices(&tensors, |slices| amp_kernels::norm::global_l2_norm(slices, inv_scale))
 }
 
+/// Clamps every gradient of the optimizer's parameters into `[-clip_value, clip_value]`, in place, in one
+/// multi-tensor pass. `clip_value` is in unscaled units: gradients that still carry a loss scale
+/// (`inv_scale = 1 / scale`) are clamped at `clip_value / inv_scale`. Call it after the overflow check:
+/// clamping would hide an infinity from it.
+pub fn clip_grad_value(
+    optimizer: &dyn FusedOptimizer,
+    grads: &GradStore,
+    clip_value: f32,
+    inv_scale: f32,
+) -> Result<()> {
+    let params = optimizer.param_groups().params();
+    let present = driver::with_grads(params, None, grads);
+    let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
+    let threshold = clip_value / inv_scale;
+    crate::storage::for_each_batch_mut(&tensors, |s| amp_kernels::clip::clip_by_value(s, threshold))?;
+    Ok(())
+}
+
 impl GradScaler {
     /// One whole step with a fused optimizer: checks the loss, backward on the scaled loss, one read-only
     /// pass that finds inf/NaN (and the global norm when `max_grad_norm` clips), then the fused step that

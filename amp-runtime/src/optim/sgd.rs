@@ -8,7 +8,6 @@ use super::driver::{self, select_mut};
 use super::params::ParamGroups;
 use super::state::{self, Buffers};
 use super::FusedOptimizer;
-use crate::checkpoint::{SavedState, TrainingState};
 use crate::error::{Error, Result};
 
 /// Settings of [`FusedSgd`].
@@ -39,13 +38,6 @@ pub struct FusedSgd {
     config: SgdConfig,
     step: u64,
     momentum: Buffers,
-}
-
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Settings {
-    config: SgdConfig,
-    step: u64,
-    groups: Vec<super::GroupOptions>,
 }
 
 impl FusedSgd {
@@ -115,28 +107,27 @@ impl FusedOptimizer for FusedSgd {
     }
 }
 
-impl TrainingState for FusedSgd {
-    fn state_key(&self) -> String {
-        "optimizer".into()
+impl state::Checkpointed for FusedSgd {
+    type Config = SgdConfig;
+
+    fn core(&self) -> (SgdConfig, u64, &ParamGroups) {
+        (self.config, self.step, &self.groups)
     }
 
-    fn save_state(&self) -> Result<SavedState> {
-        let settings = Settings { config: self.config, step: self.step, groups: self.groups.groups.clone() };
-        state::save(&settings, &self.groups.params, &[&self.momentum])
+    fn buffers(&self) -> Vec<&Buffers> {
+        vec![&self.momentum]
     }
 
-    fn check_state(&self, saved: &SavedState) -> Result<()> {
-        state::check::<Settings>(saved, &self.groups.params, &[&self.momentum]).map(|_| ())
-    }
-
-    fn restore_state(&mut self, saved: SavedState) -> Result<()> {
-        let settings: Settings = state::check(&saved, &self.groups.params, &[&self.momentum])?;
-        state::restore(&saved, &self.groups.params, &mut [&mut self.momentum])?;
-        self.config = settings.config;
-        self.step = settings.step;
-        for (mine, saved) in self.groups.groups.iter_mut().zip(settings.groups) {
+    fn restore_core(
+        &mut self,
+        config: SgdConfig,
+        step: u64,
+        groups: Vec<super::GroupOptions>,
+    ) -> Vec<&mut Buffers> {
+        (self.config, self.step) = (config, step);
+        for (mine, saved) in self.groups.groups.iter_mut().zip(groups) {
             *mine = saved;
         }
-        Ok(())
+        vec![&mut self.momentum]
     }
 }

@@ -4,8 +4,8 @@ use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
 
-use super::params::OptimParam;
-use crate::checkpoint::SavedState;
+use super::params::{GroupOptions, OptimParam, ParamGroups};
+use crate::checkpoint::{SavedState, TrainingState};
 use crate::error::{Error, Result};
 
 /// One named fp32 buffer per parameter (`exp_avg`, `momentum_buffer`, ...). Empty vectors are buffers
@@ -95,4 +95,52 @@ pub(crate) fn restore(state: &SavedState, params: &[OptimParam], buffers: &mut [
         }
     }
     Ok(())
+}
+
+/// What a fused optimizer exposes so that one [`TrainingState`] implementation saves and restores all
+/// of them: settings, step count, group options, and the fp32 buffers.
+pub(crate) trait Checkpointed {
+    /// The optimizer's settings.
+    type Config: Copy + serde::Serialize + serde::de::DeserializeOwned;
+    /// Settings, applied steps and parameter groups.
+    fn core(&self) -> (Self::Config, u64, &ParamGroups);
+    /// The state buffers, in a fixed order.
+    fn buffers(&self) -> Vec<&Buffers>;
+    /// Installs restored settings and returns the buffers to fill, in the order of [`Self::buffers`].
+    fn restore_core(
+        &mut self,
+        config: Self::Config,
+        step: u64,
+        groups: Vec<GroupOptions>,
+    ) -> Vec<&mut Buffers>;
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Settings<C> {
+    config: C,
+    step: u64,
+    groups: Vec<GroupOptions>,
+}
+
+impl<T: Checkpointed> TrainingState for T {
+    fn state_key(&self) -> String {
+        "optimizer".into()
+    }
+
+    fn save_state(&self) -> Result<SavedState> {
+        let (config, step, groups) = self.core();
+        let settings = Settings { config, step, groups: groups.groups.clone() };
+        save(&settings, &groups.params, &self.buffers())
+    }
+
+    fn check_state(&self, saved: &SavedState) -> Result<()> {
+        check::<Settings<T::Config>>(saved, &self.core().2.params, &self.buffers()).map(|_| ())
+    }
+
+    fn restore_state(&mut self, saved: SavedState) -> Result<()> {
+        let settings: Settings<T::Config> = check(&saved, &self.core().2.params, &self.buffers())?;
+        let params = self.core().2.params.clone();
+        let mut buffers = self.restore_core(settings.config, settings.step, settings.groups);
+        restore(&saved, &params, &mut buffers)
+    }
 }
