@@ -34,6 +34,7 @@ impl Module for Classifier {
 }
 
 /// Standardised features and class labels, split 80/20 with a fixed shuffle.
+#[derive(Debug)]
 pub struct Data {
     /// Training features `(n, 11)` and labels `(n)`.
     pub train: (Tensor, Tensor),
