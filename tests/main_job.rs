@@ -1,0 +1,195 @@
+//! A fast version of the main job (`examples/train.rs`): a small decoder-only transformer learns a
+//! generated Markov source from the same initial weights, data order and hyper-parameters in fp32 (O0),
+//! bf16 (O2) and fp16 (O2 with dynamic loss scaling), and the mixed runs land where fp32 does.
+
+use std::collections::HashMap;
+
+use amp::nn::{
+    embedding, layer_norm, linear, multi_head_attention, Embedding, LayerNorm, Linear, MultiHeadAttention,
+};
+use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
+use amp::scaler::ScalerConfig;
+use amp::{AmpConfig, AmpModule, GradScaler, OptLevel, Precision};
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{VarBuilder, VarMap};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const VOCAB: usize = 16;
+const EMBED: usize = 32;
+const SEQ: usize = 16;
+const BATCH: usize = 16;
+const STEPS: usize = 150;
+const TAIL: usize = 15;
+
+#[derive(AmpModule)]
+struct Block {
+    #[amp(fp32)]
+    ln1: LayerNorm,
+    attn: MultiHeadAttention,
+    #[amp(fp32)]
+    ln2: LayerNorm,
+    up: Linear,
+    down: Linear,
+}
+
+#[derive(AmpModule)]
+struct Gpt {
+    tokens: Embedding,
+    positions: Embedding,
+    block: Block,
+    #[amp(fp32)]
+    ln_f: LayerNorm,
+    head: Linear,
+}
+
+impl Gpt {
+    fn new(vb: VarBuilder<'_>) -> candle_core::Result<Self> {
+        let b = vb.pp("block");
+        Ok(Gpt {
+            tokens: embedding(VOCAB, EMBED, vb.pp("tokens"))?,
+            positions: embedding(SEQ, EMBED, vb.pp("positions"))?,
+            block: Block {
+                ln1: layer_norm(EMBED, 1e-5, b.pp("ln1"))?,
+                attn: multi_head_attention(EMBED, 2, b.pp("attn"))?.with_causal(true),
+                ln2: layer_norm(EMBED, 1e-5, b.pp("ln2"))?,
+                up: linear(EMBED, 4 * EMBED, b.pp("up"))?,
+                down: linear(4 * EMBED, EMBED, b.pp("down"))?,
+            },
+            ln_f: layer_norm(EMBED, 1e-5, vb.pp("ln_f"))?,
+            head: linear(EMBED, VOCAB, vb.pp("head"))?,
+        })
+    }
+
+    fn loss(&self, ids: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        let positions = Tensor::arange(0u32, SEQ as u32, ids.device())?;
+        let x = self.tokens.forward(ids)?.broadcast_add(&self.positions.forward(&positions)?)?;
+        let b = &self.block;
+        let x = (&x + b.attn.forward(&b.ln1.forward(&x)?)?)?;
+        let x = (&x + b.down.forward(&b.up.forward(&b.ln2.forward(&x)?)?.gelu()?)?)?;
+        let logits = self.head.forward(&self.ln_f.forward(&x)?)?.reshape(((), VOCAB))?;
+        amp::ops::loss::cross_entropy(&logits, targets)
+    }
+}
+
+/// Transition rows with two likely successors per token (plus a little mass everywhere), and the
+/// entropy rate of the chain, from its stationary distribution.
+fn markov(seed: u64) -> (Vec<Vec<f64>>, f64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let rows: Vec<Vec<f64>> = (0..VOCAB)
+        .map(|_| {
+            let mut row = [0.002; VOCAB];
+            for _ in 0..2 {
+                row[rng.random_range(0..VOCAB)] += rng.random_range(0.2..1.0);
+            }
+            let total: f64 = row.iter().sum();
+            row.iter().map(|p| p / total).collect()
+        })
+        .collect();
+    let mut pi = vec![1.0 / VOCAB as f64; VOCAB];
+    for _ in 0..5_000 {
+        let mut next = vec![0.0; VOCAB];
+        for (i, row) in rows.iter().enumerate() {
+            for (j, p) in row.iter().enumerate() {
+                next[j] += pi[i] * p;
+            }
+        }
+        pi = next;
+    }
+    let h: f64 = rows.iter().zip(&pi).map(|(r, p)| -p * r.iter().map(|q| q * q.ln()).sum::<f64>()).sum();
+    (rows, h)
+}
+
+fn batches(rows: &[Vec<f64>], seed: u64) -> candle_core::Result<Vec<(Tensor, Tensor)>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut sample = |dist: &[f64]| {
+        let mut u: f64 = rng.random();
+        dist.iter()
+            .position(|p| {
+                u -= p;
+                u <= 0.0
+            })
+            .unwrap_or(VOCAB - 1)
+    };
+    (0..STEPS)
+        .map(|_| {
+            let mut ids = Vec::with_capacity(BATCH * (SEQ + 1));
+            for _ in 0..BATCH {
+                let mut token = sample(&[1.0 / VOCAB as f64; VOCAB]);
+                ids.push(token as u32);
+                for _ in 0..SEQ {
+                    token = sample(&rows[token]);
+                    ids.push(token as u32);
+                }
+            }
+            let all = Tensor::from_vec(ids, (BATCH, SEQ + 1), &Device::Cpu)?;
+            Ok((all.narrow(D::Minus1, 0, SEQ)?, all.narrow(D::Minus1, 1, SEQ)?.flatten_all()?))
+        })
+        .collect()
+}
+
+/// Trains from `weights` on `data`; the mean training loss of the last `TAIL` steps and the skip count.
+fn train(
+    weights: &HashMap<String, Tensor>,
+    config: AmpConfig,
+    data: &[(Tensor, Tensor)],
+) -> amp::Result<(f32, u64)> {
+    let mut model = Gpt::new(VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu))?;
+    amp::initialize(&mut model, config)?;
+    let adam = AdamConfig { lr: 1e-2, weight_decay: 0.01, ..AdamConfig::default() };
+    let mut optimizer = FusedAdamW::new(ParamGroups::from_model(&model)?, adam)?;
+    let mut scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
+    assert_eq!(scaler.is_enabled(), config.opt_level != OptLevel::O0 && config.half == Precision::Fp16);
+    let mut losses = Vec::new();
+    for (ids, targets) in data {
+        let loss = model.loss(ids, targets)?;
+        scaler.step_fused(&loss, &mut optimizer, Some(1.0))?;
+        losses.push(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+    }
+    Ok((losses[STEPS - TAIL..].iter().sum::<f32>() / TAIL as f32, scaler.state().skipped))
+}
+
+#[test]
+fn bf16_and_fp16_land_where_fp32_does() -> amp::Result<()> {
+    let (rows, floor) = markov(7);
+    let varmap = VarMap::new();
+    Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+    let weights: HashMap<String, Tensor> = varmap
+        .data()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("poisoned".into()))?
+        .iter()
+        .map(|(name, var)| (name.clone(), var.as_tensor().copy().expect("copy")))
+        .collect();
+    let data = batches(&rows, 1)?;
+    let fp32 = AmpConfig { opt_level: OptLevel::O0, half: Precision::Bf16 };
+    let (reference, _) = train(&weights, fp32, &data)?;
+    // The same fp32 run on another draw of the data: how much the final loss moves for reasons that
+    // have nothing to do with precision (measured: 0.8766 vs 0.8518, about 3%).
+    let (other_order, _) = train(&weights, fp32, &batches(&rows, 2)?)?;
+    let noise = (other_order - reference).abs();
+
+    let initial = (VOCAB as f32).ln();
+    let floor = floor as f32;
+    println!(
+        "floor {floor:.4}, ln V {initial:.4}, fp32 {reference:.4}, fp32 other data order {other_order:.4}"
+    );
+    for run in [reference, other_order] {
+        assert!(run < 0.6 * initial && run - floor < 0.35, "fp32 did not learn: {run} (floor {floor})");
+    }
+    for half in [Precision::Bf16, Precision::Fp16] {
+        let config = AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(half);
+        let (last, skipped) = train(&weights, config, &data)?;
+        println!("{half} O2: {last:.4} ({skipped} skipped steps)");
+        assert!(last < 0.6 * initial, "{half} O2 did not learn: {last}");
+        // 5% relative: far above the precision effect seen here (under 0.1%), above the data-order
+        // noise of fp32 itself, yet far below the distance between a trained and an untrained model.
+        let gap = (last - reference).abs();
+        assert!(
+            gap <= 0.05 * reference,
+            "{half} O2 final loss {last} is more than 5% from fp32's {reference} (data-order noise {noise})"
+        );
+        assert!(skipped <= 10, "{half} O2 skipped {skipped} of {STEPS} steps");
+    }
+    Ok(())
+}
