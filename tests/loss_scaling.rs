@@ -320,3 +320,34 @@ fn one_scaler_drives_several_optimizers() -> amp::Result<()> {
     assert_ne!(before, after);
     Ok(())
 }
+
+#[test]
+fn step_fused_skips_an_fp16_overflow_and_changes_nothing() -> amp::Result<()> {
+    use amp::optim::{AdamConfig, FusedAdam, ParamGroups};
+    for max_grad_norm in [None, Some(1.0)] {
+        let net = fp16_net()?;
+        let mut adam = FusedAdam::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+        let mut scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
+        let sgd = Sgd::new(&net)?; // only for `snapshot`'s signature: its state stays zero
+                                   // Large inputs and targets: at the initial scale 2^16 the fp16 gradients overflow.
+        let x = (Tensor::ones((8, 4), DType::F32, &Device::Cpu)? * 1000.0)?;
+        let y = (Tensor::ones((8, 1), DType::F32, &Device::Cpu)? * 1000.0)?;
+        let before = snapshot(&net, &sgd);
+        let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+        let report = scaler.step_fused(&loss, &mut adam, max_grad_norm)?;
+        assert!(!report.applied(), "{report}");
+        assert!(matches!(report.skipped, Some(SkipReason::GradientOverflow { .. })), "{report}");
+        assert!(report.warmup, "a skip before any applied step is labelled warm-up");
+        assert_eq!(report.scale_after, 32768.0);
+        assert_eq!(snapshot(&net, &sgd), before, "masters and working copies bit-identical");
+        assert_eq!(adam.steps(), 0, "the optimizer was not called");
+        // The scale keeps backing off until the step fits, then training proceeds.
+        let mut applied = false;
+        for _ in 0..20 {
+            let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+            applied |= scaler.step_fused(&loss, &mut adam, max_grad_norm)?.applied();
+        }
+        assert!(applied && adam.steps() > 0, "scale {}", scaler.scale());
+    }
+    Ok(())
+}

@@ -118,17 +118,31 @@ impl GradScaler {
         let params = optimizer.param_groups().params();
         let present = driver::with_grads(params, None, &grads);
         let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
-        let first_bad = crate::storage::with_slices(&tensors, amp_kernels::unscale::find_non_finite)?;
+        // One read pass: the global norm when clipping (inf or NaN when any value is), else the check.
+        // The parameter to blame is looked up only when a step is skipped.
+        let norm = match max_grad_norm {
+            Some(_) => Some(crate::storage::with_slices(&tensors, |s| {
+                amp_kernels::norm::global_l2_norm(s, inv_scale)
+            })?),
+            None => None,
+        };
+        let first_bad = match norm {
+            Some(norm) if norm.is_finite() => None,
+            _ => crate::storage::with_slices(&tensors, amp_kernels::unscale::find_non_finite)?,
+        };
         if let Some(index) = first_bad {
             let param = params[present[index].0].path.clone();
             return self.update(Some(SkipReason::GradientOverflow { param }));
         }
-        let mut factor = inv_scale;
-        if let Some(max_norm) = max_grad_norm {
-            let norm =
-                crate::storage::with_slices(&tensors, |s| amp_kernels::norm::global_l2_norm(s, inv_scale))?;
-            factor *= amp_kernels::clip::clip_coefficient(norm, max_norm);
+        if norm.is_some_and(|n| !n.is_finite()) {
+            // Every value finite, their norm not: as much an overflow as an infinite element.
+            let param = "(the global gradient norm overflows f32)".to_string();
+            return self.update(Some(SkipReason::GradientOverflow { param }));
         }
+        let factor = match (norm, max_grad_norm) {
+            (Some(norm), Some(max_norm)) => inv_scale * amp_kernels::clip::clip_coefficient(norm, max_norm),
+            _ => inv_scale,
+        };
         optimizer.step_scaled(&grads, factor)?;
         self.update(None)
     }
