@@ -8,13 +8,16 @@
 //! computed exactly, so every final loss can be read against the best possible loss (the floor), and
 //! every accuracy against the best achievable one (always guessing the likeliest successor).
 //!
-//! Prints the precision plan, progress lines and a final table; writes `results.json` and
-//! `loss_curves.csv` into the output folder.
+//! Prints the precision plan, progress lines and a final table; writes `results.json`,
+//! `loss_curves.csv` and `loss_curves.png` (every run on one plot, with the entropy floor) into the
+//! output folder.
 //!
 //! Run: `cargo run --release --example train` (all three runs, interleaved step by step: about
 //! 2-3 minutes on an otherwise idle 2-core machine), or e.g.
 //! `cargo run --release --example train -- --precision fp32,fp16 --opt-level O1 --steps 200 --out out/`.
 //! `--help` lists every flag.
+
+mod plot;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -203,7 +206,7 @@ const USAGE: &str =
                     default) or O1 (fp32 params cast at use)
   --steps N         optimizer steps per run (default 300: 2-3 minutes for all three on 2 idle cores)
   --device cpu      the device; only cpu in this build (CUDA needs the `cuda` feature, not built here)
-  --out DIR         where results.json and loss_curves.csv go (default out/)";
+  --out DIR         where results.json, loss_curves.csv and .png go (default out/)";
 
 fn parse_args() -> Result<Args, String> {
     let all = vec![Precision::Fp32, Precision::Bf16, Precision::Fp16];
@@ -339,6 +342,15 @@ impl Trainer {
         self.window = (0.0, 0);
     }
 
+    /// The run's state for the progress bar: last loss, recent speed, scale and skips.
+    fn status(&self) -> String {
+        let (ms, steps) = self.window;
+        let tokens_s = if steps == 0 { 0.0 } else { (steps * BATCH * SEQ) as f64 / (ms / 1e3) };
+        let loss = self.run.curve.last().map_or(f32::NAN, |p| p.1);
+        let (scale, skipped) = (self.scaler.scale(), self.scaler.state().skipped);
+        format!("{} loss {loss:.3} {tokens_s:.0} tok/s scale {scale} skips {skipped}", self.run.name)
+    }
+
     fn finish(mut self, eval: &(Tensor, Tensor)) -> amp::Result<Run> {
         let predicted = self.model.logits(&eval.0)?.argmax(D::Minus1)?;
         let hits = predicted.eq(&eval.1)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
@@ -422,14 +434,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|p| Trainer::new(run_name(*p, args.opt_level), &weights, config_for(*p, args.opt_level)))
         .collect::<amp::Result<Vec<_>>>()?;
     let every = (args.steps / 10).max(1);
+    // A live bar on a terminal (hidden when output is redirected), plus a line every 10% for logs.
+    let bar = indicatif::ProgressBar::new(args.steps as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:24} {pos}/{len} {msg}")
+            .map_err(|e| format!("progress bar template: {e}"))?,
+    );
     for (step, batch) in batches.iter().enumerate().map(|(i, b)| (i + 1, b)) {
         for trainer in &mut trainers {
             trainer.step(step, learning_rate(step, args.steps), batch)?;
         }
+        bar.set_position(step as u64);
+        bar.set_message(trainers.iter().map(Trainer::status).collect::<Vec<_>>().join(" | "));
         if step % every == 0 || step == args.steps {
-            trainers.iter_mut().for_each(|t| t.progress(step, args.steps));
+            bar.suspend(|| trainers.iter_mut().for_each(|t| t.progress(step, args.steps)));
         }
     }
+    bar.finish_and_clear();
     let runs = trainers.into_iter().map(|t| t.finish(&eval)).collect::<amp::Result<Vec<_>>>()?;
 
     let fp32_ms = runs.iter().find(|r| r.name.starts_with("fp32")).map(Run::median_ms);
@@ -487,8 +508,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     csv.push('\n');
     std::fs::write(args.out.join("loss_curves.csv"), csv)?;
+    let curves: Vec<(&str, &[(usize, f32)])> =
+        runs.iter().map(|r| (r.name.as_str(), r.curve.as_slice())).collect();
+    plot::loss_curves(&args.out.join("loss_curves.png"), &curves, floor)?;
     println!(
-        "wrote results.json and loss_curves.csv to {} ({:.0} s)",
+        "wrote results.json, loss_curves.csv and loss_curves.png to {} ({:.0} s)",
         args.out.display(),
         started.elapsed().as_secs_f64()
     );
