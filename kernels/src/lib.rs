@@ -8,6 +8,8 @@
 //! - [`clip`]: clipping by value, and the clip-by-norm coefficient.
 //! - [`convert`]: f32 <-> f16 / bf16 with `half`'s rounding, bit for bit.
 //! - [`reference`](mod@reference): slow scalar versions of every kernel, the oracle of the tests.
+//! - [`cuda`]: the same kernels for NVIDIA GPUs, CUDA C++ compiled at run time with NVRTC (feature `cuda`),
+//!   plus the loss scale's state machine on the device.
 //!
 //! No candle types appear here: tensors are plain slices ([`GradSlice`], [`GradSliceMut`],
 //! [`HalfSliceMut`]). Work is split into chunks of up to 64 Ki elements across all tensors and run on the
@@ -43,6 +45,7 @@
 mod backend;
 pub mod clip;
 pub mod convert;
+pub mod cuda;
 mod isa;
 pub mod norm;
 pub mod optim;

@@ -1,0 +1,103 @@
+// Shared by every amp kernel family: prepended to each family's source before NVRTC compiles it, so the
+// sources need no include paths and no CUDA headers (NVRTC ships none of cuda_fp16.h / cuda_bf16.h).
+//
+// Multi-tensor launches (in the spirit of Apex's multi_tensor_apply) read one table in device memory,
+// built once per parameter set by the host and reused every step (parameter buffers do not move):
+//
+//   table[l * n + t]            pointer of tensor t in list l (0 where a list is absent), l < lists
+//   table[lists * n + t]        element count of tensor t
+//   table[lists * n + n + 3b]   block b: tensor index, first element, one past the last element
+//
+// Every block handles one chunk (at most 64 Ki elements) of one tensor; blocks of a tensor are consecutive
+// and in element order, so per-block partial sums can be reduced deterministically.
+//
+// Arithmetic mirrors the CPU reference (amp_kernels::reference) operation by operation; the host compiles
+// with -fmad=false and IEEE division and square root, so elementwise results match it bit for bit.
+
+#define AMP_THREADS 512
+#define AMP_NO_BAD_TENSOR 0x7fffffff
+
+typedef unsigned long long amp_u64;
+typedef long long amp_i64;
+
+struct amp_f16 {
+    unsigned short bits;
+};
+struct amp_bf16 {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float amp_to_f32(float x) { return x; }
+__device__ __forceinline__ float amp_to_f32(amp_f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float amp_to_f32(amp_bf16 x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
+
+template <typename T> __device__ __forceinline__ T amp_from_f32(float x);
+template <> __device__ __forceinline__ float amp_from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ amp_f16 amp_from_f32<amp_f16>(float x) {
+    amp_f16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+template <> __device__ __forceinline__ amp_bf16 amp_from_f32<amp_bf16>(float x) {
+    amp_bf16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ bool amp_is_finite(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// The chunk this block owns.
+struct amp_block {
+    int tensor;
+    amp_i64 begin;
+    amp_i64 end;
+};
+
+__device__ __forceinline__ amp_block amp_this_block(const amp_u64* table, int n, int lists) {
+    const amp_u64* entry = table + (amp_i64)lists * n + n + 3 * (amp_i64)blockIdx.x;
+    amp_block b;
+    b.tensor = (int)entry[0];
+    b.begin = (amp_i64)entry[1];
+    b.end = (amp_i64)entry[2];
+    return b;
+}
+
+// Pointer of tensor `t` in list `l`, or null where the list is absent for that tensor.
+template <typename T> __device__ __forceinline__ T* amp_ptr(const amp_u64* table, int n, int l, int t) {
+    return reinterpret_cast<T*>(table[(amp_i64)l * n + t]);
+}
+
+__device__ __forceinline__ amp_i64 amp_len(const amp_u64* table, int n, int lists, int t) {
+    return (amp_i64)table[(amp_i64)lists * n + t];
+}
+
+// Sum over the block, in a fixed tree order (deterministic for a fixed AMP_THREADS). Every thread of the
+// block must call it; every thread gets the total.
+__device__ __forceinline__ double amp_block_sum(double x) {
+    __shared__ double lanes[AMP_THREADS];
+    lanes[threadIdx.x] = x;
+    __syncthreads();
+    for (unsigned int half = AMP_THREADS / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) lanes[threadIdx.x] += lanes[threadIdx.x + half];
+        __syncthreads();
+    }
+    double total = lanes[0];
+    __syncthreads();
+    return total;
+}
+
+// Marks `tensor` as holding a non-finite value; the smallest index wins, whatever the block order.
+__device__ __forceinline__ void amp_flag_bad(int* bad_tensor, bool any_bad_in_block, int tensor) {
+    if (any_bad_in_block && threadIdx.x == 0) atomicMin(bad_tensor, tensor);
+}
+
+// True when this step must be skipped: a previous kernel of the step found a non-finite value.
+__device__ __forceinline__ bool amp_step_is_skipped(const int* bad_tensor) {
+    return *(volatile const int*)bad_tensor != AMP_NO_BAD_TENSOR;
+}

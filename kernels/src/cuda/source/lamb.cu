@@ -1,0 +1,136 @@
+// Fused LAMB in three launches over one table, none of which the host waits for:
+//   1. amp_lamb_moments_<g>: inline unscale, L2 or decoupled weight decay, new m and v, and per-block f64
+//      partial sums of p^2 and u^2 (u = the Adam direction plus decoupled decay);
+//   2. amp_lamb_ratios: per-tensor norms (partials summed in block order: deterministic) and the
+//      learning rate times the trust ratio ||p|| / ||u|| of each tensor;
+//   3. amp_lamb_apply_<w>: p -= ratio * u, and the working copy.
+// Every launch returns at once when *bad_tensor says the step overflowed.
+// Lists: 0 grad, 1 master, 2 exp_avg, 3 exp_avg_sq, 4 working copy (or null).
+// Formulas and rounding order: amp_kernels::reference::lamb_step.
+
+struct amp_lamb_consts {
+    float bc1, bc2, beta1, beta2, beta3, one_minus_beta2, eps, wd;
+};
+
+__device__ __forceinline__ amp_lamb_consts amp_lamb_setup(const amp_i64* steps, double beta1, double beta2,
+                                                          double eps, double weight_decay, int bias_correction,
+                                                          int grad_averaging) {
+    const double t = (double)(*steps + 1);
+    amp_lamb_consts c;
+    c.bc1 = bias_correction ? (float)(1.0 - pow(beta1, t)) : 1.0f;
+    c.bc2 = bias_correction ? (float)(1.0 - pow(beta2, t)) : 1.0f;
+    c.beta1 = (float)beta1;
+    c.beta2 = (float)beta2;
+    c.beta3 = grad_averaging ? (float)(1.0 - beta1) : 1.0f;
+    c.one_minus_beta2 = (float)(1.0 - beta2);
+    c.eps = (float)eps;
+    c.wd = (float)weight_decay;
+    return c;
+}
+
+__device__ __forceinline__ float amp_lamb_update(const amp_lamb_consts& c, int decoupled, float p, float m,
+                                                 float v) {
+    const float u = (m / c.bc1) / (sqrtf(v / c.bc2) + c.eps);
+    return (decoupled && c.wd != 0.0f) ? u + c.wd * p : u;
+}
+
+template <typename G>
+__device__ void amp_lamb_moments(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor,
+                                 const float* grad_factor, double beta1, double beta2, double eps,
+                                 double weight_decay, int decoupled, int bias_correction, int grad_averaging,
+                                 double* partials) {
+    if (amp_step_is_skipped(bad_tensor)) return;
+    const amp_block blk = amp_this_block(table, n, 5);
+    const G* grad = amp_ptr<const G>(table, n, 0, blk.tensor);
+    const float* master = amp_ptr<const float>(table, n, 1, blk.tensor);
+    float* exp_avg = amp_ptr<float>(table, n, 2, blk.tensor);
+    float* exp_avg_sq = amp_ptr<float>(table, n, 3, blk.tensor);
+    const amp_lamb_consts c =
+        amp_lamb_setup(steps, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging);
+    const float factor = *grad_factor;
+    double sum_p = 0.0, sum_u = 0.0;
+    for (amp_i64 i = blk.begin + threadIdx.x; i < blk.end; i += AMP_THREADS) {
+        const float p = master[i];
+        float g = amp_to_f32(grad[i]) * factor;
+        if (!decoupled && c.wd != 0.0f) g += c.wd * p;
+        const float m = exp_avg[i] * c.beta1 + c.beta3 * g;
+        const float v = exp_avg_sq[i] * c.beta2 + (c.one_minus_beta2 * g) * g;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        const double u = (double)amp_lamb_update(c, decoupled, p, m, v);
+        sum_p += (double)p * (double)p;
+        sum_u += u * u;
+    }
+    const double block_p = amp_block_sum(sum_p);
+    const double block_u = amp_block_sum(sum_u);
+    if (threadIdx.x == 0) {
+        partials[2 * (amp_i64)blockIdx.x] = block_p;
+        partials[2 * (amp_i64)blockIdx.x + 1] = block_u;
+    }
+}
+
+#define AMP_LAMB_MOMENTS(NAME, G)                                                                           \
+    extern "C" __global__ void __launch_bounds__(AMP_THREADS) amp_lamb_moments_##NAME(                     \
+        const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, const float* grad_factor, \
+        double beta1, double beta2, double eps, double weight_decay, int decoupled, int bias_correction,    \
+        int grad_averaging, double* partials) {                                                             \
+        amp_lamb_moments<G>(table, n, steps, bad_tensor, grad_factor, beta1, beta2, eps, weight_decay,      \
+                            decoupled, bias_correction, grad_averaging, partials);                          \
+    }
+
+AMP_LAMB_MOMENTS(f32, float)
+AMP_LAMB_MOMENTS(f16, amp_f16)
+AMP_LAMB_MOMENTS(bf16, amp_bf16)
+
+// One thread per tensor (any grid). norms[2t] = ||p||, norms[2t+1] = ||u||; ratios[t] = lr * ||p|| / ||u||
+// when the trust ratio applies (weight decay or always_adapt, both norms non-zero), else lr.
+extern "C" __global__ void amp_lamb_ratios(const amp_u64* first_block, int n, const int* bad_tensor,
+                                           const double* partials, double lr, double weight_decay,
+                                           int always_adapt, float* norms, float* ratios) {
+    if (amp_step_is_skipped(bad_tensor)) return;
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    double sum_p = 0.0, sum_u = 0.0;
+    for (amp_u64 b = first_block[t]; b < first_block[t + 1]; ++b) {
+        sum_p += partials[2 * b];
+        sum_u += partials[2 * b + 1];
+    }
+    const float norm_p = (float)sqrt(sum_p), norm_u = (float)sqrt(sum_u);
+    norms[2 * t] = norm_p;
+    norms[2 * t + 1] = norm_u;
+    const float lr_f = (float)lr;
+    const bool adapt = (always_adapt || weight_decay != 0.0) && norm_p != 0.0f && norm_u != 0.0f;
+    ratios[t] = adapt ? lr_f * (norm_p / norm_u) : lr_f;
+}
+
+template <typename W>
+__device__ void amp_lamb_apply(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor,
+                               double beta1, double beta2, double eps, double weight_decay, int decoupled,
+                               int bias_correction, const float* ratios) {
+    if (amp_step_is_skipped(bad_tensor)) return;
+    const amp_block blk = amp_this_block(table, n, 5);
+    float* master = amp_ptr<float>(table, n, 1, blk.tensor);
+    const float* exp_avg = amp_ptr<const float>(table, n, 2, blk.tensor);
+    const float* exp_avg_sq = amp_ptr<const float>(table, n, 3, blk.tensor);
+    W* working = amp_ptr<W>(table, n, 4, blk.tensor);
+    const amp_lamb_consts c = amp_lamb_setup(steps, beta1, beta2, eps, weight_decay, bias_correction, 1);
+    const float ratio = ratios[blk.tensor];
+    for (amp_i64 i = blk.begin + threadIdx.x; i < blk.end; i += AMP_THREADS) {
+        const float p = master[i];
+        const float next = p - ratio * amp_lamb_update(c, decoupled, p, exp_avg[i], exp_avg_sq[i]);
+        master[i] = next;
+        if (working != 0) working[i] = amp_from_f32<W>(next);
+    }
+}
+
+#define AMP_LAMB_APPLY(NAME, W)                                                                             \
+    extern "C" __global__ void __launch_bounds__(AMP_THREADS) amp_lamb_apply_##NAME(                       \
+        const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, double beta1,             \
+        double beta2, double eps, double weight_decay, int decoupled, int bias_correction,                  \
+        const float* ratios) {                                                                              \
+        amp_lamb_apply<W>(table, n, steps, bad_tensor, beta1, beta2, eps, weight_decay, decoupled,          \
+                          bias_correction, ratios);                                                         \
+    }
+
+AMP_LAMB_APPLY(f16, amp_f16)
+AMP_LAMB_APPLY(bf16, amp_bf16)

@@ -1,0 +1,51 @@
+// Fused SGD with momentum (PyTorch semantics: dampening, Nesterov, L2 weight decay) over fp32 master
+// weights and an fp32 momentum buffer, inline unscale, and the working copy written in the same pass.
+// Skipped steps return at once (*bad_tensor). The momentum buffer takes the first gradient as is on the
+// first applied step, which the device counter `steps` (applied steps before this one) tells.
+// Lists: 0 grad, 1 master, 2 momentum buffer (or null: no momentum), 3 working copy (or null).
+// Formulas and rounding order: amp_kernels::reference::sgd_step.
+
+template <typename G, typename W>
+__device__ void amp_sgd(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor,
+                        const float* grad_factor, double lr, double weight_decay, double momentum,
+                        double dampening, int nesterov) {
+    if (amp_step_is_skipped(bad_tensor)) return;
+    const amp_block blk = amp_this_block(table, n, 4);
+    const G* grad = amp_ptr<const G>(table, n, 0, blk.tensor);
+    float* master = amp_ptr<float>(table, n, 1, blk.tensor);
+    float* buffer = amp_ptr<float>(table, n, 2, blk.tensor);
+    W* working = amp_ptr<W>(table, n, 3, blk.tensor);
+
+    const bool first_step = *steps == 0;
+    const float lr_f = (float)lr, wd = (float)weight_decay, mom = (float)momentum;
+    const float one_minus_dampening = (float)(1.0 - dampening);
+    const float factor = *grad_factor;
+
+    for (amp_i64 i = blk.begin + threadIdx.x; i < blk.end; i += AMP_THREADS) {
+        float d = amp_to_f32(grad[i]) * factor;
+        if (weight_decay != 0.0) d += wd * master[i];
+        if (buffer != 0) {
+            const float b = first_step ? d : buffer[i] * mom + one_minus_dampening * d;
+            buffer[i] = b;
+            d = nesterov ? d + mom * b : b;
+        }
+        const float p = master[i] - lr_f * d;
+        master[i] = p;
+        if (working != 0) working[i] = amp_from_f32<W>(p);
+    }
+}
+
+#define AMP_SGD(NAME, G, W)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(AMP_THREADS) amp_sgd_##NAME(                              \
+        const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, const float* grad_factor, \
+        double lr, double weight_decay, double momentum, double dampening, int nesterov) {                  \
+        amp_sgd<G, W>(table, n, steps, bad_tensor, grad_factor, lr, weight_decay, momentum, dampening,      \
+                      nesterov);                                                                            \
+    }
+
+AMP_SGD(f32_f16, float, amp_f16)
+AMP_SGD(f32_bf16, float, amp_bf16)
+AMP_SGD(f16_f16, amp_f16, amp_f16)
+AMP_SGD(f16_bf16, amp_f16, amp_bf16)
+AMP_SGD(bf16_f16, amp_bf16, amp_f16)
+AMP_SGD(bf16_bf16, amp_bf16, amp_bf16)
