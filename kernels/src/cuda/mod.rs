@@ -8,7 +8,8 @@
 //!   results match the CPU bit for bit.
 //! - [`LaunchTable`]: the multi-tensor launch table (pointers, lengths and 64 Ki-element chunks), built on
 //!   the host once per parameter set and reused every step.
-//! - With the `cuda` feature: `compile` (NVRTC, per architecture, with NVRTC's log on error).
+//! - With the `cuda` feature: `compile` (NVRTC, per architecture, with NVRTC's log on error) and, on a
+//!   device, `CudaKernels` (every family compiled once per device and cached) with typed launches.
 //!
 //! Skipping without synchronisation: the unscale / norm kernels record the first tensor holding a
 //! non-finite value in the device-resident scale state ([`ScaleState`]); every optimizer kernel reads it
@@ -21,9 +22,16 @@ mod table;
 
 pub use source::{Family, BLOCK_THREADS, FAMILIES, NO_BAD_TENSOR};
 pub use state::{ScaleChange, ScaleState, STATE_WORDS};
-pub use table::{BlockEntry, LaunchTable, TableError, CHUNK_ELEMENTS};
+pub use table::{BlockEntry, LaunchTable, TableError, TensorKind, CHUNK_ELEMENTS};
 
 #[cfg(feature = "cuda")]
 mod compile;
 #[cfg(feature = "cuda")]
 pub use compile::{compile, nvrtc_available, Arch, CompileError};
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+pub use device::{
+    device_available, CudaError, CudaKernels, DeviceScaler, DeviceTable, GradFactor, LambBuffers,
+    NormBuffers, OptimizerStep, ScaleConfig,
+};

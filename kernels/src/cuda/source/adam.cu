@@ -8,11 +8,9 @@
 // Formulas and rounding order: amp_kernels::reference::adam_step.
 
 template <typename G, typename W>
-__device__ void amp_adam(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor,
-                         const float* grad_factor, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, int decoupled, int bias_correction) {
-    if (amp_step_is_skipped(bad_tensor)) return;
-    const amp_block blk = amp_this_block(table, n, 6);
+__device__ void amp_adam_chunk(const amp_block& blk, const amp_u64* table, int n, const amp_i64* steps,
+                               const float* grad_factor, double lr, double beta1, double beta2, double eps,
+                               double weight_decay, int decoupled, int bias_correction) {
     const G* grad = amp_ptr<const G>(table, n, 0, blk.tensor);
     float* master = amp_ptr<float>(table, n, 1, blk.tensor);
     float* exp_avg = amp_ptr<float>(table, n, 2, blk.tensor);
@@ -58,19 +56,16 @@ __device__ void amp_adam(const amp_u64* table, int n, const amp_i64* steps, cons
     }
 }
 
-#define AMP_ADAM(NAME, G, W)                                                                                \
-    extern "C" __global__ void __launch_bounds__(AMP_THREADS) amp_adam_##NAME(                             \
-        const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, const float* grad_factor, \
-        double lr, double beta1, double beta2, double eps, double weight_decay, int decoupled,              \
-        int bias_correction) {                                                                              \
-        amp_adam<G, W>(table, n, steps, bad_tensor, grad_factor, lr, beta1, beta2, eps, weight_decay,       \
-                       decoupled, bias_correction);                                                         \
-    }
-
-// Gradient dtype _ working-copy dtype (the working list may be null: then either variant serves).
-AMP_ADAM(f32_f16, float, amp_f16)
-AMP_ADAM(f32_bf16, float, amp_bf16)
-AMP_ADAM(f16_f16, amp_f16, amp_f16)
-AMP_ADAM(f16_bf16, amp_f16, amp_bf16)
-AMP_ADAM(bf16_f16, amp_bf16, amp_f16)
-AMP_ADAM(bf16_bf16, amp_bf16, amp_bf16)
+extern "C" __global__ void __launch_bounds__(AMP_THREADS)
+    amp_adam(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, const float* grad_factor,
+             double lr, double beta1, double beta2, double eps, double weight_decay, int decoupled,
+             int bias_correction) {
+    if (amp_step_is_skipped(bad_tensor)) return;
+    const amp_block blk = amp_this_block(table, n, 6);
+#define AMP_CALL(G, W)                                                                                      \
+    amp_adam_chunk<G, W>(blk, table, n, steps, grad_factor, lr, beta1, beta2, eps, weight_decay, decoupled, \
+                         bias_correction)
+    AMP_SWITCH_GRAD_WORKING(amp_grad_kind(table, n, 6, blk.tensor), amp_working_kind(table, n, 6, blk.tensor),
+                            AMP_CALL)
+#undef AMP_CALL
+}

@@ -4,18 +4,24 @@
 // Multi-tensor launches (in the spirit of Apex's multi_tensor_apply) read one table in device memory,
 // built once per parameter set by the host and reused every step (parameter buffers do not move):
 //
-//   table[l * n + t]            pointer of tensor t in list l (0 where a list is absent), l < lists
-//   table[lists * n + t]        element count of tensor t
-//   table[lists * n + n + 3b]   block b: tensor index, first element, one past the last element
+//   table[l * n + t]             pointer of tensor t in list l (0 where a list is absent), l < lists
+//   table[lists * n + t]         element count of tensor t
+//   table[lists * n + n + t]     element types of tensor t: gradient in bits 0-7, working copy in 8-15
+//                                (AMP_KIND_*), so one launch serves tensors of mixed precisions
+//   table[lists * n + 2n + 3b]   block b: tensor index, first element, one past the last element
 //
 // Every block handles one chunk (at most 64 Ki elements) of one tensor; blocks of a tensor are consecutive
-// and in element order, so per-block partial sums can be reduced deterministically.
+// and in element order, so per-block partial sums can be reduced deterministically. A block's types are
+// uniform, so the per-block type switch costs no divergence.
 //
 // Arithmetic mirrors the CPU reference (amp_kernels::reference) operation by operation; the host compiles
 // with -fmad=false and IEEE division and square root, so elementwise results match it bit for bit.
 
 #define AMP_THREADS 512
 #define AMP_NO_BAD_TENSOR 0x7fffffff
+#define AMP_KIND_F32 0
+#define AMP_KIND_F16 1
+#define AMP_KIND_BF16 2
 
 typedef unsigned long long amp_u64;
 typedef long long amp_i64;
@@ -60,7 +66,7 @@ struct amp_block {
 };
 
 __device__ __forceinline__ amp_block amp_this_block(const amp_u64* table, int n, int lists) {
-    const amp_u64* entry = table + (amp_i64)lists * n + n + 3 * (amp_i64)blockIdx.x;
+    const amp_u64* entry = table + (amp_i64)lists * n + 2 * (amp_i64)n + 3 * (amp_i64)blockIdx.x;
     amp_block b;
     b.tensor = (int)entry[0];
     b.begin = (amp_i64)entry[1];
@@ -73,9 +79,38 @@ template <typename T> __device__ __forceinline__ T* amp_ptr(const amp_u64* table
     return reinterpret_cast<T*>(table[(amp_i64)l * n + t]);
 }
 
-__device__ __forceinline__ amp_i64 amp_len(const amp_u64* table, int n, int lists, int t) {
-    return (amp_i64)table[(amp_i64)lists * n + t];
+__device__ __forceinline__ int amp_grad_kind(const amp_u64* table, int n, int lists, int t) {
+    return (int)(table[(amp_i64)lists * n + n + t] & 0xff);
 }
+
+__device__ __forceinline__ int amp_working_kind(const amp_u64* table, int n, int lists, int t) {
+    return (int)((table[(amp_i64)lists * n + n + t] >> 8) & 0xff);
+}
+
+// CALL(G) with G the gradient element type of kind `g`.
+#define AMP_SWITCH_GRAD(g, CALL)                                                                            \
+    switch (g) {                                                                                            \
+    case AMP_KIND_F16: CALL(amp_f16); break;                                                                \
+    case AMP_KIND_BF16: CALL(amp_bf16); break;                                                              \
+    default: CALL(float); break;                                                                            \
+    }
+
+// CALL(W) with W the working-copy element type of kind `w` (an absent copy takes the f16 branch; its
+// pointer is null and never written).
+#define AMP_SWITCH_WORKING(w, CALL)                                                                         \
+    if ((w) == AMP_KIND_BF16) {                                                                             \
+        CALL(amp_bf16);                                                                                     \
+    } else {                                                                                                \
+        CALL(amp_f16);                                                                                      \
+    }
+
+// CALL(G, W) for both.
+#define AMP_SWITCH_GRAD_WORKING(g, w, CALL)                                                                 \
+    switch (g) {                                                                                            \
+    case AMP_KIND_F16: if ((w) == AMP_KIND_BF16) CALL(amp_f16, amp_bf16); else CALL(amp_f16, amp_f16); break; \
+    case AMP_KIND_BF16: if ((w) == AMP_KIND_BF16) CALL(amp_bf16, amp_bf16); else CALL(amp_bf16, amp_f16); break; \
+    default: if ((w) == AMP_KIND_BF16) CALL(float, amp_bf16); else CALL(float, amp_f16); break;              \
+    }
 
 // Sum over the block, in a fixed tree order (deterministic for a fixed AMP_THREADS). Every thread of the
 // block must call it; every thread gets the total.

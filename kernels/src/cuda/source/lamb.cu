@@ -1,9 +1,9 @@
 // Fused LAMB in three launches over one table, none of which the host waits for:
-//   1. amp_lamb_moments_<g>: inline unscale, L2 or decoupled weight decay, new m and v, and per-block f64
+//   1. amp_lamb_moments: inline unscale, L2 or decoupled weight decay, new m and v, and per-block f64
 //      partial sums of p^2 and u^2 (u = the Adam direction plus decoupled decay);
 //   2. amp_lamb_ratios: per-tensor norms (partials summed in block order: deterministic) and the
 //      learning rate times the trust ratio ||p|| / ||u|| of each tensor;
-//   3. amp_lamb_apply_<w>: p -= ratio * u, and the working copy.
+//   3. amp_lamb_apply: p -= ratio * u, and the working copy.
 // Every launch returns at once when *bad_tensor says the step overflowed.
 // Lists: 0 grad, 1 master, 2 exp_avg, 3 exp_avg_sq, 4 working copy (or null).
 // Formulas and rounding order: amp_kernels::reference::lamb_step.
@@ -35,20 +35,13 @@ __device__ __forceinline__ float amp_lamb_update(const amp_lamb_consts& c, int d
 }
 
 template <typename G>
-__device__ void amp_lamb_moments(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor,
-                                 const float* grad_factor, double beta1, double beta2, double eps,
-                                 double weight_decay, int decoupled, int bias_correction, int grad_averaging,
-                                 double* partials) {
-    if (amp_step_is_skipped(bad_tensor)) return;
-    const amp_block blk = amp_this_block(table, n, 5);
+__device__ void amp_lamb_moments_chunk(const amp_block& blk, const amp_u64* table, int n,
+                                       const amp_lamb_consts& c, int decoupled, float factor, double* sum_p,
+                                       double* sum_u) {
     const G* grad = amp_ptr<const G>(table, n, 0, blk.tensor);
     const float* master = amp_ptr<const float>(table, n, 1, blk.tensor);
     float* exp_avg = amp_ptr<float>(table, n, 2, blk.tensor);
     float* exp_avg_sq = amp_ptr<float>(table, n, 3, blk.tensor);
-    const amp_lamb_consts c =
-        amp_lamb_setup(steps, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging);
-    const float factor = *grad_factor;
-    double sum_p = 0.0, sum_u = 0.0;
     for (amp_i64 i = blk.begin + threadIdx.x; i < blk.end; i += AMP_THREADS) {
         const float p = master[i];
         float g = amp_to_f32(grad[i]) * factor;
@@ -58,9 +51,24 @@ __device__ void amp_lamb_moments(const amp_u64* table, int n, const amp_i64* ste
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
         const double u = (double)amp_lamb_update(c, decoupled, p, m, v);
-        sum_p += (double)p * (double)p;
-        sum_u += u * u;
+        *sum_p += (double)p * (double)p;
+        *sum_u += u * u;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(AMP_THREADS)
+    amp_lamb_moments(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor,
+                     const float* grad_factor, double beta1, double beta2, double eps, double weight_decay,
+                     int decoupled, int bias_correction, int grad_averaging, double* partials) {
+    if (amp_step_is_skipped(bad_tensor)) return;
+    const amp_block blk = amp_this_block(table, n, 5);
+    const amp_lamb_consts c =
+        amp_lamb_setup(steps, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging);
+    const float factor = *grad_factor;
+    double sum_p = 0.0, sum_u = 0.0;
+#define AMP_CALL(G) amp_lamb_moments_chunk<G>(blk, table, n, c, decoupled, factor, &sum_p, &sum_u)
+    AMP_SWITCH_GRAD(amp_grad_kind(table, n, 5, blk.tensor), AMP_CALL)
+#undef AMP_CALL
     const double block_p = amp_block_sum(sum_p);
     const double block_u = amp_block_sum(sum_u);
     if (threadIdx.x == 0) {
@@ -68,19 +76,6 @@ __device__ void amp_lamb_moments(const amp_u64* table, int n, const amp_i64* ste
         partials[2 * (amp_i64)blockIdx.x + 1] = block_u;
     }
 }
-
-#define AMP_LAMB_MOMENTS(NAME, G)                                                                           \
-    extern "C" __global__ void __launch_bounds__(AMP_THREADS) amp_lamb_moments_##NAME(                     \
-        const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, const float* grad_factor, \
-        double beta1, double beta2, double eps, double weight_decay, int decoupled, int bias_correction,    \
-        int grad_averaging, double* partials) {                                                             \
-        amp_lamb_moments<G>(table, n, steps, bad_tensor, grad_factor, beta1, beta2, eps, weight_decay,      \
-                            decoupled, bias_correction, grad_averaging, partials);                          \
-    }
-
-AMP_LAMB_MOMENTS(f32, float)
-AMP_LAMB_MOMENTS(f16, amp_f16)
-AMP_LAMB_MOMENTS(bf16, amp_bf16)
 
 // One thread per tensor (any grid). norms[2t] = ||p||, norms[2t+1] = ||u||; ratios[t] = lr * ||p|| / ||u||
 // when the trust ratio applies (weight decay or always_adapt, both norms non-zero), else lr.
@@ -104,17 +99,12 @@ extern "C" __global__ void amp_lamb_ratios(const amp_u64* first_block, int n, co
 }
 
 template <typename W>
-__device__ void amp_lamb_apply(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor,
-                               double beta1, double beta2, double eps, double weight_decay, int decoupled,
-                               int bias_correction, const float* ratios) {
-    if (amp_step_is_skipped(bad_tensor)) return;
-    const amp_block blk = amp_this_block(table, n, 5);
+__device__ void amp_lamb_apply_chunk(const amp_block& blk, const amp_u64* table, int n, const amp_lamb_consts& c,
+                                     int decoupled, float ratio) {
     float* master = amp_ptr<float>(table, n, 1, blk.tensor);
     const float* exp_avg = amp_ptr<const float>(table, n, 2, blk.tensor);
     const float* exp_avg_sq = amp_ptr<const float>(table, n, 3, blk.tensor);
     W* working = amp_ptr<W>(table, n, 4, blk.tensor);
-    const amp_lamb_consts c = amp_lamb_setup(steps, beta1, beta2, eps, weight_decay, bias_correction, 1);
-    const float ratio = ratios[blk.tensor];
     for (amp_i64 i = blk.begin + threadIdx.x; i < blk.end; i += AMP_THREADS) {
         const float p = master[i];
         const float next = p - ratio * amp_lamb_update(c, decoupled, p, exp_avg[i], exp_avg_sq[i]);
@@ -123,14 +113,14 @@ __device__ void amp_lamb_apply(const amp_u64* table, int n, const amp_i64* steps
     }
 }
 
-#define AMP_LAMB_APPLY(NAME, W)                                                                             \
-    extern "C" __global__ void __launch_bounds__(AMP_THREADS) amp_lamb_apply_##NAME(                       \
-        const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, double beta1,             \
-        double beta2, double eps, double weight_decay, int decoupled, int bias_correction,                  \
-        const float* ratios) {                                                                              \
-        amp_lamb_apply<W>(table, n, steps, bad_tensor, beta1, beta2, eps, weight_decay, decoupled,          \
-                          bias_correction, ratios);                                                         \
-    }
-
-AMP_LAMB_APPLY(f16, amp_f16)
-AMP_LAMB_APPLY(bf16, amp_bf16)
+extern "C" __global__ void __launch_bounds__(AMP_THREADS)
+    amp_lamb_apply(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, double beta1,
+                   double beta2, double eps, double weight_decay, int decoupled, int bias_correction,
+                   const float* ratios) {
+    if (amp_step_is_skipped(bad_tensor)) return;
+    const amp_block blk = amp_this_block(table, n, 5);
+    const amp_lamb_consts c = amp_lamb_setup(steps, beta1, beta2, eps, weight_decay, bias_correction, 1);
+#define AMP_CALL(W) amp_lamb_apply_chunk<W>(blk, table, n, c, decoupled, ratios[blk.tensor])
+    AMP_SWITCH_WORKING(amp_working_kind(table, n, 5, blk.tensor), AMP_CALL)
+#undef AMP_CALL
+}

@@ -2,33 +2,31 @@
 // tree within the block), stage 2 sums each tensor's partials in block order and the tensors in a fixed
 // tree. The same launch configuration always gives the same bits. Stage 1 doubles as the overflow check:
 // a non-finite gradient marks *bad_tensor, so clipping needs no separate pass.
-// Lists: 0 = gradients.
+// Lists: 0 = gradients; `lists` says how many the table has, so an optimizer's table serves as is.
 
-template <typename G>
-__device__ void amp_sum_squares(const amp_u64* table, int n, double* partials, int* bad_tensor) {
-    const amp_block blk = amp_this_block(table, n, 1);
-    const G* grad = amp_ptr<const G>(table, n, 0, blk.tensor);
+template <typename G> __device__ double amp_sum_squares_chunk(const amp_block& blk, const G* grad, bool* bad) {
+    double acc = 0.0;
+    for (amp_i64 i = blk.begin + threadIdx.x; i < blk.end; i += AMP_THREADS) {
+        const float x = amp_to_f32(grad[i]);
+        acc += (double)x * (double)x;
+        *bad |= !amp_is_finite(x);
+    }
+    return acc;
+}
+
+// Stage 1: partials[b] = sum of squares of block b's chunk.
+extern "C" __global__ void __launch_bounds__(AMP_THREADS)
+    amp_sum_squares(const amp_u64* table, int n, int lists, double* partials, int* bad_tensor) {
+    const amp_block blk = amp_this_block(table, n, lists);
     double acc = 0.0;
     bool bad = false;
-    for (amp_i64 i = blk.begin + threadIdx.x; i < blk.end; i += AMP_THREADS) {
-        const double x = (double)amp_to_f32(grad[i]);
-        acc += x * x;
-        bad |= !amp_is_finite((float)x);
-    }
+#define AMP_CALL(G) acc = amp_sum_squares_chunk<G>(blk, amp_ptr<const G>(table, n, 0, blk.tensor), &bad)
+    AMP_SWITCH_GRAD(amp_grad_kind(table, n, lists, blk.tensor), AMP_CALL)
+#undef AMP_CALL
     const double total = amp_block_sum(acc);
     if (threadIdx.x == 0) partials[blockIdx.x] = total;
     amp_flag_bad(bad_tensor, __syncthreads_or(bad), blk.tensor);
 }
-
-#define AMP_SUM_SQUARES(NAME, G)                                                                            \
-    extern "C" __global__ void __launch_bounds__(AMP_THREADS)                                               \
-        amp_sum_squares_##NAME(const amp_u64* table, int n, double* partials, int* bad_tensor) {            \
-        amp_sum_squares<G>(table, n, partials, bad_tensor);                                                 \
-    }
-
-AMP_SUM_SQUARES(f32, float)
-AMP_SUM_SQUARES(f16, amp_f16)
-AMP_SUM_SQUARES(bf16, amp_bf16)
 
 // Stage 2, one block of AMP_THREADS threads. `first_block[t]` is the first block of tensor t, with
 // first_block[n] the number of blocks. Writes per_tensor[t] = sqrt(sum_t) * |inv_scale| and

@@ -6,11 +6,9 @@
 // Formulas and rounding order: amp_kernels::reference::sgd_step.
 
 template <typename G, typename W>
-__device__ void amp_sgd(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor,
-                        const float* grad_factor, double lr, double weight_decay, double momentum,
-                        double dampening, int nesterov) {
-    if (amp_step_is_skipped(bad_tensor)) return;
-    const amp_block blk = amp_this_block(table, n, 4);
+__device__ void amp_sgd_chunk(const amp_block& blk, const amp_u64* table, int n, const amp_i64* steps,
+                              const float* grad_factor, double lr, double weight_decay, double momentum,
+                              double dampening, int nesterov) {
     const G* grad = amp_ptr<const G>(table, n, 0, blk.tensor);
     float* master = amp_ptr<float>(table, n, 1, blk.tensor);
     float* buffer = amp_ptr<float>(table, n, 2, blk.tensor);
@@ -35,17 +33,14 @@ __device__ void amp_sgd(const amp_u64* table, int n, const amp_i64* steps, const
     }
 }
 
-#define AMP_SGD(NAME, G, W)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(AMP_THREADS) amp_sgd_##NAME(                              \
-        const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, const float* grad_factor, \
-        double lr, double weight_decay, double momentum, double dampening, int nesterov) {                  \
-        amp_sgd<G, W>(table, n, steps, bad_tensor, grad_factor, lr, weight_decay, momentum, dampening,      \
-                      nesterov);                                                                            \
-    }
-
-AMP_SGD(f32_f16, float, amp_f16)
-AMP_SGD(f32_bf16, float, amp_bf16)
-AMP_SGD(f16_f16, amp_f16, amp_f16)
-AMP_SGD(f16_bf16, amp_f16, amp_bf16)
-AMP_SGD(bf16_f16, amp_bf16, amp_f16)
-AMP_SGD(bf16_bf16, amp_bf16, amp_bf16)
+extern "C" __global__ void __launch_bounds__(AMP_THREADS)
+    amp_sgd(const amp_u64* table, int n, const amp_i64* steps, const int* bad_tensor, const float* grad_factor,
+            double lr, double weight_decay, double momentum, double dampening, int nesterov) {
+    if (amp_step_is_skipped(bad_tensor)) return;
+    const amp_block blk = amp_this_block(table, n, 4);
+#define AMP_CALL(G, W)                                                                                      \
+    amp_sgd_chunk<G, W>(blk, table, n, steps, grad_factor, lr, weight_decay, momentum, dampening, nesterov)
+    AMP_SWITCH_GRAD_WORKING(amp_grad_kind(table, n, 4, blk.tensor), amp_working_kind(table, n, 4, blk.tensor),
+                            AMP_CALL)
+#undef AMP_CALL
+}
