@@ -103,10 +103,24 @@ pub enum Error {
     )]
     NotContiguous,
     /// A kernel that has no implementation on this device.
-    #[error("this amp kernel runs on the CPU only, the tensor is on {device}")]
+    #[error("{what} has no implementation on {device} yet; keep its tensors on the CPU")]
     DeviceNotSupported {
+        /// What was asked.
+        what: String,
         /// The tensor's device.
         device: String,
+    },
+    /// A CUDA entry point in a build without the `cuda` feature.
+    #[error(
+        "amp was built without CUDA: enable the `cuda` feature of `amp` (it needs the CUDA toolkit's nvcc to \
+         build candle's kernels; scripts/cuda-toolchain.sh installs one from PyPI wheels), or train on the CPU"
+    )]
+    CudaNotBuilt,
+    /// A CUDA operation failed: no device, a kernel that did not compile (with NVRTC's log), the driver.
+    #[error("CUDA: {reason}")]
+    Cuda {
+        /// What failed.
+        reason: String,
     },
     /// A broken invariant inside amp: a bug, please report it.
     #[error("internal error in amp (please report): {what}")]

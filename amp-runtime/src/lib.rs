@@ -5,6 +5,7 @@
 
 mod cast_cache;
 pub mod checkpoint;
+pub mod cuda;
 pub mod error;
 mod initialize;
 mod layer;
@@ -14,6 +15,7 @@ pub mod nn;
 pub mod ops;
 pub mod optim;
 mod param;
+mod passes;
 mod policy;
 mod precision;
 pub mod scaler;

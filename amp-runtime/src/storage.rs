@@ -152,5 +152,8 @@ pub(crate) fn check_distinct(tensors: &[&Tensor]) -> Result<()> {
 }
 
 fn not_cpu(tensor: &Tensor) -> Error {
-    Error::DeviceNotSupported { device: format!("{:?}", tensor.device().location()) }
+    Error::DeviceNotSupported {
+        what: "this multi-tensor operation".into(),
+        device: format!("{:?}", tensor.device().location()),
+    }
 }

@@ -77,7 +77,7 @@ pub fn global_grad_norm(optimizer: &dyn FusedOptimizer, grads: &GradStore, inv_s
     let params = optimizer.param_groups().params();
     let present = driver::with_grads(params, None, grads);
     let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
-    crate::storage::with_slices(&tensors, |slices| amp_kernels::norm::global_l2_norm(slices, inv_scale))
+    crate::passes::global_l2_norm(&tensors, inv_scale)
 }
 
 /// Clamps every gradient of the optimizer's parameters into `[-clip_value, clip_value]`, in place, in one
@@ -121,14 +121,12 @@ impl GradScaler {
         // One read pass: the global norm when clipping (inf or NaN when any value is), else the check.
         // The parameter to blame is looked up only when a step is skipped.
         let norm = match max_grad_norm {
-            Some(_) => Some(crate::storage::with_slices(&tensors, |s| {
-                amp_kernels::norm::global_l2_norm(s, inv_scale)
-            })?),
+            Some(_) => Some(crate::passes::global_l2_norm(&tensors, inv_scale)?),
             None => None,
         };
         let first_bad = match norm {
             Some(norm) if norm.is_finite() => None,
-            _ => crate::storage::with_slices(&tensors, amp_kernels::unscale::find_non_finite)?,
+            _ => crate::passes::find_non_finite(&tensors)?,
         };
         if let Some(index) = first_bad {
             let param = params[present[index].0].path.clone();

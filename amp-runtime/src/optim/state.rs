@@ -106,7 +106,13 @@ pub(crate) trait Checkpointed {
     fn core(&self) -> (Self::Config, u64, &ParamGroups);
     /// The state buffers, in a fixed order.
     fn buffers(&self) -> Vec<&Buffers>;
+    /// The buffers read back from a device when the optimizer keeps them there (checkpoints need the
+    /// current values); `None` when [`Self::buffers`] is current.
+    fn downloaded(&self) -> Result<Option<Vec<Buffers>>> {
+        Ok(None)
+    }
     /// Installs restored settings and returns the buffers to fill, in the order of [`Self::buffers`].
+    /// An optimizer keeping its state on a device drops that copy: the next step uploads these.
     fn restore_core(
         &mut self,
         config: Self::Config,
@@ -130,7 +136,10 @@ impl<T: Checkpointed> TrainingState for T {
     fn save_state(&self) -> Result<SavedState> {
         let (config, step, groups) = self.core();
         let settings = Settings { config, step, groups: groups.groups.clone() };
-        save(&settings, &groups.params, &self.buffers())
+        match self.downloaded()? {
+            Some(buffers) => save(&settings, &groups.params, &buffers.iter().collect::<Vec<_>>()),
+            None => save(&settings, &groups.params, &self.buffers()),
+        }
     }
 
     fn check_state(&self, saved: &SavedState) -> Result<()> {

@@ -144,13 +144,9 @@ impl GradScaler {
             .collect();
         let tensors: Vec<&Tensor> = present.iter().map(|(_, g)| *g).collect();
         let first = if self.enabled {
-            let inv_scale = 1.0 / self.state.scale;
-            let hits = crate::storage::for_each_batch_mut(&tensors, |s| {
-                amp_kernels::unscale::unscale_and_check(s, inv_scale)
-            })?;
-            first_hit(&hits, crate::storage::BATCH)
+            crate::passes::unscale_and_check(&tensors, 1.0 / self.state.scale)?
         } else if self.finite_guard {
-            crate::storage::with_slices(&tensors, amp_kernels::unscale::find_non_finite)?
+            crate::passes::find_non_finite(&tensors)?
         } else {
             None
         };
@@ -215,11 +211,6 @@ impl GradScaler {
         self.state = state;
         Ok(())
     }
-}
-
-/// The global index of the first hit over batches of `batch` tensors.
-fn first_hit(hits: &[Option<usize>], batch: usize) -> Option<usize> {
-    hits.iter().enumerate().find_map(|(b, hit)| hit.map(|i| b * batch + i))
 }
 
 /// One training step without loss scaling, for models that cannot underflow: bf16 and fp32 layers only.

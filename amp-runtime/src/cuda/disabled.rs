@@ -1,0 +1,41 @@
+//! Without the `cuda` feature: the same entry points, each saying how to get CUDA.
+
+use candle_core::Device;
+
+use super::GpuInfo;
+use crate::error::{Error, Result};
+
+/// True when amp was built with the `cuda` feature and a CUDA device can be used. Always false here.
+#[must_use]
+pub fn is_available() -> bool {
+    false
+}
+
+/// Compiles amp's kernels for `device` now rather than on the first step, and describes it. Without
+/// the `cuda` feature: [`Error::CudaNotBuilt`].
+///
+/// # Errors
+/// Always, in this build.
+pub fn prepare(_device: &Device) -> Result<GpuInfo> {
+    Err(Error::CudaNotBuilt)
+}
+
+/// Without CUDA no tensor is on a CUDA device.
+pub(crate) fn on_cuda(_tensors: &[&candle_core::Tensor]) -> bool {
+    false
+}
+
+/// Unreachable without CUDA tensors ([`on_cuda`] is false); an error rather than a panic all the same.
+pub(crate) fn unscale_and_check(_tensors: &[&candle_core::Tensor], _inv_scale: f32) -> Result<Option<usize>> {
+    Err(Error::CudaNotBuilt)
+}
+
+/// As [`unscale_and_check`].
+pub(crate) fn find_non_finite(_tensors: &[&candle_core::Tensor]) -> Result<Option<usize>> {
+    Err(Error::CudaNotBuilt)
+}
+
+/// As [`unscale_and_check`].
+pub(crate) fn global_l2_norm(_tensors: &[&candle_core::Tensor], _inv_scale: f32) -> Result<f32> {
+    Err(Error::CudaNotBuilt)
+}
