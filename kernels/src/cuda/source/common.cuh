@@ -16,6 +16,9 @@
 //
 // Arithmetic mirrors the CPU reference (amp_kernels::reference) operation by operation; the host compiles
 // with -fmad=false and IEEE division and square root, so elementwise results match it bit for bit.
+//
+// With AMP_CPU_EMULATION defined, the half conversions come from kernels/tests/emulation/cuda_emulation.h
+// instead of inline PTX, so tests/cuda_emulated.rs can run these sources as C++ on the CPU.
 
 #define AMP_THREADS 512
 #define AMP_NO_BAD_TENSOR 0x7fffffff
@@ -35,9 +38,13 @@ struct amp_bf16 {
 
 __device__ __forceinline__ float amp_to_f32(float x) { return x; }
 __device__ __forceinline__ float amp_to_f32(amp_f16 x) {
+#ifdef AMP_CPU_EMULATION
+    return amp_emu_f16_to_f32(x.bits);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
     return f;
+#endif
 }
 __device__ __forceinline__ float amp_to_f32(amp_bf16 x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
 
@@ -45,12 +52,20 @@ template <typename T> __device__ __forceinline__ T amp_from_f32(float x);
 template <> __device__ __forceinline__ float amp_from_f32<float>(float x) { return x; }
 template <> __device__ __forceinline__ amp_f16 amp_from_f32<amp_f16>(float x) {
     amp_f16 h;
+#ifdef AMP_CPU_EMULATION
+    h.bits = amp_emu_f32_to_f16(x);
+#else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+#endif
     return h;
 }
 template <> __device__ __forceinline__ amp_bf16 amp_from_f32<amp_bf16>(float x) {
     amp_bf16 h;
+#ifdef AMP_CPU_EMULATION
+    h.bits = amp_emu_f32_to_bf16(x);
+#else
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+#endif
     return h;
 }
 
