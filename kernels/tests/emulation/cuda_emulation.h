@@ -1,12 +1,13 @@
 // CUDA emulation for the CPU: what amp's kernel sources (kernels/src/cuda/source/*.cu, common.cuh
-// prepended) need to compile as plain C++20 with g++, so tests/cuda_emulated.rs can run their logic
+// prepended) need to compile as plain C++20 with g++, so tests/cuda_emulated/ can run their logic
 // without a GPU. Force-included (`g++ -include`) before a family's source, with -DAMP_CPU_EMULATION,
 // which makes common.cuh take its f16 / bf16 conversions from here instead of inline PTX.
 //
 // Execution model: the host runs one block at a time. For each block it calls `amp_emu_begin_block`
-// with the block's thread count, spawns that many threads, each of which calls `amp_emu_set_thread`,
-// the kernel, then `amp_emu_thread_exit`, and joins them all before the next block. So `__shared__`
-// can be a plain `static`, and `__syncthreads` is a std::barrier over the block's threads.
+// with the block's thread count, then lets that many threads (one pool per launch, reused from block to
+// block) each call `amp_emu_set_thread`, the kernel, then `amp_emu_thread_exit`, and waits until all of
+// them have returned before it begins the next block. So `__shared__` can be a plain `static`, and
+// `__syncthreads` is a std::barrier over the block's threads.
 //
 // Floating point: compile with -ffp-contract=off -fno-fast-math (what -fmad=false and IEEE div / sqrt
 // give on the device); x86-64 SSE arithmetic is IEEE binary32 / binary64 with one rounding per operation.

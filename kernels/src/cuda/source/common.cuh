@@ -18,7 +18,7 @@
 // with -fmad=false and IEEE division and square root, so elementwise results match it bit for bit.
 //
 // With AMP_CPU_EMULATION defined, the half conversions come from kernels/tests/emulation/cuda_emulation.h
-// instead of inline PTX, so tests/cuda_emulated.rs can run these sources as C++ on the CPU.
+// instead of inline PTX, so tests/cuda_emulated/ can run these sources as C++ on the CPU.
 
 #define AMP_THREADS 512
 #define AMP_NO_BAD_TENSOR 0x7fffffff
