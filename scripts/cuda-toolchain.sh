@@ -6,7 +6,8 @@
 #   eval "$(scripts/cuda-toolchain.sh full)"    # nvcc + libraries: build and link candle's `cuda` feature
 #
 # Idempotent: a second run with the same pins skips pip and only refreshes symlinks. First run: `nvrtc`
-# ~10-20 s (one ~50 MB wheel), `full` ~1-2 min (~900 MB of wheels, cuBLAS is most of it); later runs ~1 s.
+# ~20 s (venv + one ~50 MB wheel), `full` ~20-60 s depending on the network (1.3 GB installed, cuBLAS is
+# most of it); later runs well under a second.
 #
 # Versions are pinned to the CUDA 13.0 (Update 2) components on purpose, not the newest 13.x: the GPU
 # machine's driver (R580) is CUDA 13.0, and a driver refuses PTX from a newer toolkit
