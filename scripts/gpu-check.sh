@@ -1,34 +1,55 @@
 #!/usr/bin/env bash
 # The GPU check, in two halves because the GPU machine has no Rust toolchain and no network:
 #
-#   scripts/gpu-check.sh build                  # here (no GPU, no CUDA needed): ~1 min
-#   scripts/gpu-check.sh run [--budget-s 420]   # on the GPU machine, from the repo root
+#   scripts/gpu-check.sh build [--kernels-only]   # here (no GPU, no system CUDA)
+#   scripts/gpu-check.sh run [--budget-s 420]     # on the GPU machine, from the repo root
 #
-# `build` compiles the check binary (amp-kernels' `gpu_check` example, CUDA libraries loaded at run time)
-# in release mode and puts it in .gpu-check/ (git-ignored): carry that folder to the GPU machine, e.g.
-# with the device tool: run(command="scripts/gpu-check.sh run --budget-s 420", carry=[".gpu-check"]).
+# `build` puts into .gpu-check/ (git-ignored; carry it to the GPU machine, e.g. with the device tool:
+# run(command="scripts/gpu-check.sh run --budget-s 420", carry=[".gpu-check"])):
+#   - gpu_check: amp-kernels' kernel check (every kernel against the CPU reference, fused AdamW and
+#     unscale bandwidth against device copy). CUDA is loaded at run time: builds in about a minute.
+#   - cuda_training and gpu_bench, unless --kernels-only: the `cuda` build of amp (candle's CUDA backend,
+#     linked against the CUDA libraries; built with scripts/cuda-toolchain.sh full, 20+ minutes the
+#     first time on 2 cores): the training tests on the device, GEMM per precision, and a BERT-base-like
+#     step under O2 fp16 against fp32 and TF32. Stripped and xz-compressed to fit the carry limit.
 #
-# `run` finds libnvrtc (the CUDA toolkit's, or the nvidia-cuda-nvrtc wheel's in any Python on the
-# machine), prints the GPU, and runs every kernel against the CPU reference, then the bandwidth
-# benchmarks, printing one table as it goes (tee'd to $OUT/gpu-check.md when $OUT is set). The whole
-# check takes well under the budget; benchmarks are skipped first when time runs short.
+# `run` finds the CUDA libraries (the toolkit's, or NVIDIA's wheels in any Python on the machine), prints
+# the GPU, then runs the three in that order, printing one table as it goes (tee'd to $OUT/gpu-check.md
+# when $OUT is set). The budget is shared: the kernel check takes well under a minute; the long
+# benchmark items are skipped first when time runs short.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bundle="${repo}/.gpu-check"
+target="${CARGO_TARGET_DIR:-${repo}/target}"
 
 log() { printf 'gpu-check: %s\n' "$*" >&2; }
 
 build() {
   cd "${repo}"
-  cargo build --release --locked -p amp-kernels --features cuda-dynamic-loading --example gpu_check
   mkdir -p "${bundle}"
-  cp "${CARGO_TARGET_DIR:-${repo}/target}/release/examples/gpu_check" "${bundle}/gpu_check"
-  log "ready: ${bundle}/gpu_check ($(du -h "${bundle}/gpu_check" | cut -f1)); carry .gpu-check to the GPU machine"
+  cargo build --release --locked -p amp-kernels --features cuda-dynamic-loading --example gpu_check
+  strip -o "${bundle}/gpu_check" "${target}/release/examples/gpu_check"
+  if [[ "${1:-}" != "--kernels-only" ]]; then
+    (
+      eval "$(scripts/cuda-toolchain.sh full)"
+      cargo build --release --locked -p amp --features cuda --example gpu_bench
+      cargo test --release --locked -p amp --features cuda --test cuda_training --no-run
+    )
+    local test_binary
+    test_binary="$(find "${target}/release/deps" -maxdepth 1 -type f -executable -name 'cuda_training-*' -printf '%T@ %p\n' |
+      sort -n | tail -n 1 | cut -d' ' -f2)"
+    [[ -n "${test_binary}" ]] || { log "no cuda_training test binary under ${target}/release/deps"; exit 1; }
+    strip -o "${bundle}/cuda_training" "${test_binary}"
+    strip -o "${bundle}/gpu_bench" "${target}/release/examples/gpu_bench"
+    xz -f -T0 -6 "${bundle}/cuda_training" "${bundle}/gpu_bench"
+  fi
+  log "ready: $(du -ch "${bundle}"/* | tail -n 1 | cut -f1) in ${bundle}; carry .gpu-check to the GPU machine"
 }
 
-# Prints the folders holding libnvrtc.so.*: the system toolkit's, then any Python's NVIDIA wheels.
-nvrtc_dirs() {
+# Prints the folders holding CUDA libraries (libnvrtc, libcublas, ...): the system toolkit's, then any
+# Python's NVIDIA wheels.
+cuda_lib_dirs() {
   local dir py
   for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
     compgen -G "${dir}/libnvrtc.so*" >/dev/null && printf '%s\n' "${dir}"
@@ -39,32 +60,55 @@ nvrtc_dirs() {
 import glob, os, site, sys
 roots = set(site.getsitepackages() + [site.getusersitepackages()] + sys.path)
 for root in sorted(r for r in roots if os.path.isdir(os.path.join(r, "nvidia"))):
-    for lib in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libnvrtc.so*"), recursive=True)):
-        print(os.path.dirname(lib))
+    for pattern in ("libnvrtc.so*", "libcublas.so*", "libcurand.so*", "libcudart.so*"):
+        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "**", pattern), recursive=True)):
+            print(os.path.dirname(lib))
 PY
   done
 }
 
 run() {
   [[ -x "${bundle}/gpu_check" ]] || { log "no ${bundle}/gpu_check: run 'scripts/gpu-check.sh build' first and carry .gpu-check"; exit 2; }
-  local dirs
-  dirs="$(nvrtc_dirs | awk '!seen[$0]++' | paste -sd: -)"
+  local budget=420 start dirs status=0 report
+  if [[ "${1:-}" == "--budget-s" && -n "${2:-}" ]]; then budget="$2"; fi
+  start="${SECONDS}"
+  dirs="$(cuda_lib_dirs | awk '!seen[$0]++' | paste -sd: -)"
   if [[ -n "${dirs}" ]]; then
     export LD_LIBRARY_PATH="${dirs}${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
-    log "libnvrtc from: ${dirs}"
+    log "CUDA libraries from: ${dirs}"
   else
-    log "libnvrtc not found on this machine: the binary will say so and skip"
+    log "no CUDA libraries found on this machine: the checks will say so and skip"
   fi
   command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
-  if [[ -n "${OUT:-}" ]]; then
-    "${bundle}/gpu_check" "$@" | tee "${OUT}/gpu-check.md"
-  else
-    "${bundle}/gpu_check" "$@"
-  fi
+  report=/dev/null
+  [[ -n "${OUT:-}" ]] && report="${OUT}/gpu-check.md"
+  set +e
+  (
+    "${bundle}/gpu_check" --budget-s "${budget}" || status=1
+    for name in cuda_training gpu_bench; do
+      if [[ -f "${bundle}/${name}.xz" && ! -x "${bundle}/${name}" ]]; then
+        xz -dkf "${bundle}/${name}.xz" && chmod +x "${bundle}/${name}"
+      fi
+    done
+    if [[ -x "${bundle}/cuda_training" ]]; then
+      echo
+      echo "## training tests on the device (tests/cuda_training.rs)"
+      "${bundle}/cuda_training" --test-threads 1 || status=1
+    fi
+    if [[ -x "${bundle}/gpu_bench" ]]; then
+      local left=$((budget - (SECONDS - start)))
+      echo
+      "${bundle}/gpu_bench" --budget-s "$((left > 0 ? left : 0))" || status=1
+    fi
+    exit "${status}"
+  ) 2>&1 | tee "${report}"
+  local rc=$?
+  set -e
+  return "${rc}"
 }
 
 case "${1:-}" in
   build) shift; build "$@" ;;
   run) shift; run "$@" ;;
-  *) printf 'usage: %s build | run [--budget-s SECONDS]\n' "$0" >&2; exit 2 ;;
+  *) printf 'usage: %s build [--kernels-only] | run [--budget-s SECONDS]\n' "$0" >&2; exit 2 ;;
 esac

@@ -1,9 +1,10 @@
 //! The same training code on a CUDA device as on the CPU (feature `cuda`; every test passes with a note
 //! when no device is usable, so the suite runs anywhere).
 //!
-//! - FusedAdamW on the device against the CPU step for step, on gradients that are identical on both
-//!   (backward of `sum(w * g)`): the kernels mirror the CPU's arithmetic, so masters agree to within one
-//!   f32 ulp per step (the bias corrections' `pow` may round differently), well inside 1e-6 relative.
+//! - FusedAdamW, FusedSgd and FusedLamb on the device against the CPU step for step, on gradients that
+//!   are identical on both (backward of `sum(w * g)`): the kernels mirror the CPU's arithmetic, so
+//!   masters agree to within an f32 ulp or so per step (the bias corrections' `pow` may round
+//!   differently; LAMB's norms are summed in another order), well inside 1e-6 relative after 10 steps.
 //! - A step whose gradients overflow leaves masters, working copies and moments bit-identical.
 //! - The scaler's unscale and check on the device find the same first overflowing parameter.
 //! - Optimizer state kept on the device goes into checkpoints and resumes exactly.
@@ -12,7 +13,9 @@
 mod common;
 
 use amp::nn::Linear;
-use amp::optim::{AdamConfig, FusedAdam, FusedOptimizer, ParamGroups};
+use amp::optim::{
+    AdamConfig, FusedAdam, FusedLamb, FusedOptimizer, FusedSgd, LambConfig, ParamGroups, SgdConfig,
+};
 use amp::scaler::ScalerConfig;
 use amp::{AmpConfig, AmpModule, AmpModuleExt, GradScaler, OptLevel, Param, Precision};
 use candle_core::backprop::GradStore;
@@ -80,30 +83,49 @@ fn max_relative(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+type MakeOptimizer = fn(ParamGroups) -> amp::Result<Box<dyn FusedOptimizer>>;
+
+fn optimizers() -> [(&'static str, MakeOptimizer); 3] {
+    [
+        ("AdamW", |g| Ok(Box::new(FusedAdam::new(g, AdamConfig { lr: 1e-2, ..AdamConfig::default() })?))),
+        ("SGD", |g| {
+            let config = SgdConfig { lr: 1e-2, momentum: 0.9, weight_decay: 1e-4, ..SgdConfig::default() };
+            Ok(Box::new(FusedSgd::new(g, config)?))
+        }),
+        ("LAMB", |g| Ok(Box::new(FusedLamb::new(g, LambConfig { lr: 1e-2, ..LambConfig::default() })?))),
+    ]
+}
+
 #[test]
-fn fused_adamw_on_cuda_matches_the_cpu_step_for_step() -> amp::Result<()> {
+fn fused_optimizers_on_cuda_match_the_cpu_step_for_step() -> amp::Result<()> {
     let Some(cuda) = gpu() else { return Ok(()) };
-    for half in [Precision::Fp16, Precision::Bf16] {
-        let (on_gpu, on_cpu) = (model(&cuda, half)?, model(&Device::Cpu, half)?);
-        let config = AdamConfig { lr: 1e-2, ..AdamConfig::default() };
-        let mut gpu_adam = FusedAdam::new(ParamGroups::from_model(&on_gpu)?, config)?;
-        let mut cpu_adam = FusedAdam::new(ParamGroups::from_model(&on_cpu)?, config)?;
-        for step in 0..10 {
-            gpu_adam.step_scaled(&grads(&on_gpu, step, 512.0)?, 1.0 / 512.0)?;
-            cpu_adam.step_scaled(&grads(&on_cpu, step, 512.0)?, 1.0 / 512.0)?;
-            let error = max_relative(&masters(&on_gpu)?, &masters(&on_cpu)?);
-            assert!(error <= 1e-6, "{half}: step {step}: masters differ by {error:e} relative");
-        }
-        // The working copies are the rounded masters, on the device too.
-        for (path, p) in on_gpu.named_params() {
-            if let Some(w) = p.working() {
-                let rounded = p.master().as_tensor().to_dtype(w.dtype())?;
-                let diff = (w.as_tensor().to_dtype(DType::F32)? - rounded.to_dtype(DType::F32)?)?
-                    .abs()?
-                    .sum_all()?
-                    .to_scalar::<f32>()?;
-                assert_eq!(diff, 0.0, "{path}");
+    for (name, make) in optimizers() {
+        for half in [Precision::Fp16, Precision::Bf16] {
+            let (on_gpu, on_cpu) = (model(&cuda, half)?, model(&Device::Cpu, half)?);
+            let mut gpu_opt = make(ParamGroups::from_model(&on_gpu)?)?;
+            let mut cpu_opt = make(ParamGroups::from_model(&on_cpu)?)?;
+            for step in 0..10 {
+                gpu_opt.step_scaled(&grads(&on_gpu, step, 512.0)?, 1.0 / 512.0)?;
+                cpu_opt.step_scaled(&grads(&on_cpu, step, 512.0)?, 1.0 / 512.0)?;
+                let error = max_relative(&masters(&on_gpu)?, &masters(&on_cpu)?);
+                assert!(error <= 1e-6, "{name} {half}: step {step}: masters differ by {error:e} relative");
             }
+            working_copies_are_rounded_masters(&on_gpu)?;
+        }
+    }
+    Ok(())
+}
+
+/// The working copies are the rounded masters, on the device too.
+fn working_copies_are_rounded_masters(on_gpu: &Two) -> amp::Result<()> {
+    for (path, p) in on_gpu.named_params() {
+        if let Some(w) = p.working() {
+            let rounded = p.master().as_tensor().to_dtype(w.dtype())?;
+            let diff = (w.as_tensor().to_dtype(DType::F32)? - rounded.to_dtype(DType::F32)?)?
+                .abs()?
+                .sum_all()?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{path}");
         }
     }
     Ok(())

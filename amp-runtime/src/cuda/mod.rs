@@ -21,7 +21,9 @@
 #[cfg(feature = "cuda")]
 mod enabled;
 #[cfg(feature = "cuda")]
-pub(crate) use enabled::{find_non_finite, global_l2_norm, on_cuda, unscale_and_check, AdamOnDevice};
+pub(crate) use enabled::{
+    cuda_error, find_non_finite, global_l2_norm, on_cuda, unscale_and_check, DeviceOptimizer, Launch,
+};
 #[cfg(feature = "cuda")]
 pub use enabled::{is_available, prepare};
 

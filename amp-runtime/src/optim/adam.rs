@@ -64,7 +64,7 @@ pub struct FusedAdam {
     max_exp_avg_sq: Buffers,
     /// The moments on a CUDA device once a step ran there: then the truth, the host copies stale.
     #[cfg(feature = "cuda")]
-    on_device: Option<crate::cuda::AdamOnDevice>,
+    on_device: Option<crate::cuda::DeviceOptimizer>,
 }
 
 /// AdamW is [`FusedAdam`] with its default config.
@@ -112,45 +112,34 @@ impl FusedAdam {
     }
 }
 
-#[cfg(feature = "cuda")]
-impl FusedAdam {
-    /// The CUDA device the gradients are on, if they are on one.
-    fn cuda_device(&self, grads: &GradStore) -> Option<candle_core::Device> {
-        let grad = self.groups.params.iter().find_map(|p| grads.get(p.trainable.as_tensor()))?;
-        grad.device().is_cuda().then(|| grad.device().clone())
-    }
-
-    /// The step on the device: the moments move there on the first one.
-    fn step_on_device(
-        &mut self,
-        device: &candle_core::Device,
-        grads: &GradStore,
-        inv_grad_scale: f32,
-    ) -> Result<()> {
-        if self.on_device.is_none() {
-            let vmax = self.config.amsgrad.then_some(&self.max_exp_avg_sq.values[..]);
-            self.on_device = Some(crate::cuda::AdamOnDevice::new(
-                device,
-                self.groups.groups.len(),
-                &self.exp_avg.values,
-                &self.exp_avg_sq.values,
-                vmax,
-            )?);
-        }
-        let params: Vec<AdamParams> = (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
-        match self.on_device.as_mut() {
-            Some(on_device) => on_device.step(&self.groups, grads, inv_grad_scale, |g| params[g]),
-            None => Err(crate::Error::Internal { what: "device state missing".into() }),
-        }
-    }
-}
-
 impl FusedOptimizer for FusedAdam {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
         self.step += 1;
         #[cfg(feature = "cuda")]
-        if let Some(device) = self.cuda_device(grads) {
-            return self.step_on_device(&device, grads, inv_grad_scale);
+        if let Some(device) = super::device::cuda_device(&self.groups, grads) {
+            let params: Vec<AdamParams> =
+                (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
+            let state = [
+                (&self.exp_avg, true),
+                (&self.exp_avg_sq, true),
+                (&self.max_exp_avg_sq, self.config.amsgrad),
+            ];
+            return super::device::step(
+                &mut self.on_device,
+                &device,
+                &self.groups,
+                &state,
+                grads,
+                inv_grad_scale,
+                self.step,
+                |group, (kernels, stream, table, inputs)| {
+                    // SAFETY: the table holds live device buffers of the recorded types (gradients in
+                    // `grads`, masters and copies in the parameters, state in `on_device`), all of which
+                    // outlive the kernel, queued on candle's stream.
+                    unsafe { kernels.adam(stream, table, inputs, &params[group]) }
+                        .map_err(crate::cuda::cuda_error)
+                },
+            );
         }
         for group in 0..self.groups.groups.len() {
             let params = self.kernel_params(group);
@@ -208,15 +197,13 @@ impl state::Checkpointed for FusedAdam {
     }
 
     #[cfg(feature = "cuda")]
-    fn downloaded(&self) -> Result<Option<Vec<Buffers>>> {
-        let Some(on_device) = &self.on_device else { return Ok(None) };
-        let [m, v, vmax] = on_device.download()?;
-        let vmax = if self.config.amsgrad { vmax } else { self.max_exp_avg_sq.values.clone() };
-        Ok(Some(vec![
-            Buffers { name: self.exp_avg.name, values: m },
-            Buffers { name: self.exp_avg_sq.name, values: v },
-            Buffers { name: self.max_exp_avg_sq.name, values: vmax },
-        ]))
+    fn device_state(&self) -> Option<&crate::cuda::DeviceOptimizer> {
+        self.on_device.as_ref()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn forget_device_state(&mut self) {
+        self.on_device = None;
     }
 
     fn restore_core(
@@ -226,10 +213,6 @@ impl state::Checkpointed for FusedAdam {
         groups: Vec<super::GroupOptions>,
     ) -> Vec<&mut Buffers> {
         (self.config, self.step) = (config, step);
-        #[cfg(feature = "cuda")]
-        {
-            self.on_device = None;
-        }
         for (mine, saved) in self.groups.groups.iter_mut().zip(groups) {
             *mine = saved;
         }

@@ -58,6 +58,9 @@ pub struct FusedLamb {
     exp_avg: Buffers,
     exp_avg_sq: Buffers,
     norms: Vec<TensorNorms>,
+    /// The moments on a CUDA device once a step ran there.
+    #[cfg(feature = "cuda")]
+    on_device: Option<crate::cuda::DeviceOptimizer>,
 }
 
 impl FusedLamb {
@@ -71,10 +74,13 @@ impl FusedLamb {
             groups,
             config,
             step: 0,
+            #[cfg(feature = "cuda")]
+            on_device: None,
         })
     }
 
-    /// The trust-ratio norms of the last step's last batch (`||w||`, `||update||` per tensor).
+    /// The trust-ratio norms of the last step's last batch (`||w||`, `||update||` per tensor), for steps
+    /// on the CPU (on a CUDA device they stay there: reading them back would wait for the device).
     pub fn last_norms(&self) -> &[TensorNorms] {
         &self.norms
     }
@@ -99,6 +105,30 @@ impl FusedLamb {
 impl FusedOptimizer for FusedLamb {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
         self.step += 1;
+        #[cfg(feature = "cuda")]
+        if let Some(device) = super::device::cuda_device(&self.groups, grads) {
+            let params: Vec<LambParams> =
+                (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
+            let state = [(&self.exp_avg, true), (&self.exp_avg_sq, true)];
+            return super::device::step(
+                &mut self.on_device,
+                &device,
+                &self.groups,
+                &state,
+                grads,
+                inv_grad_scale,
+                self.step,
+                |group, (kernels, stream, table, inputs)| {
+                    let cuda_error = crate::cuda::cuda_error;
+                    let mut scratch =
+                        amp_kernels::cuda::LambBuffers::new(stream, table).map_err(cuda_error)?;
+                    // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives
+                    // the kernels, queued on candle's stream; the scratch is sized for the table.
+                    unsafe { kernels.lamb(stream, table, inputs, &params[group], &mut scratch) }
+                        .map_err(cuda_error)
+                },
+            );
+        }
         for group in 0..self.groups.groups.len() {
             let params = self.kernel_params(group);
             let present = driver::with_grads(&self.groups.params, Some(group), grads);
@@ -149,6 +179,16 @@ impl state::Checkpointed for FusedLamb {
 
     fn buffers(&self) -> Vec<&Buffers> {
         vec![&self.exp_avg, &self.exp_avg_sq]
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_state(&self) -> Option<&crate::cuda::DeviceOptimizer> {
+        self.on_device.as_ref()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn forget_device_state(&mut self) {
+        self.on_device = None;
     }
 
     fn restore_core(

@@ -29,6 +29,8 @@
 //! ```
 
 mod adam;
+#[cfg(feature = "cuda")]
+mod device;
 mod driver;
 mod lamb;
 mod params;

@@ -38,6 +38,9 @@ pub struct FusedSgd {
     config: SgdConfig,
     step: u64,
     momentum: Buffers,
+    /// The momentum buffers on a CUDA device once a step ran there.
+    #[cfg(feature = "cuda")]
+    on_device: Option<crate::cuda::DeviceOptimizer>,
 }
 
 impl FusedSgd {
@@ -53,23 +56,50 @@ impl FusedSgd {
             groups,
             config,
             step: 0,
+            #[cfg(feature = "cuda")]
+            on_device: None,
         })
+    }
+
+    fn kernel_params(&self, group: usize) -> SgdParams {
+        let options = self.groups.groups[group];
+        SgdParams {
+            lr: options.lr.unwrap_or(self.config.lr),
+            momentum: self.config.momentum,
+            dampening: self.config.dampening,
+            weight_decay: options.weight_decay.unwrap_or(self.config.weight_decay),
+            nesterov: self.config.nesterov,
+            first_step: self.step == 1,
+        }
     }
 }
 
 impl FusedOptimizer for FusedSgd {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
         self.step += 1;
+        #[cfg(feature = "cuda")]
+        if let Some(device) = super::device::cuda_device(&self.groups, grads) {
+            let params: Vec<SgdParams> =
+                (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
+            let state = [(&self.momentum, self.config.momentum != 0.0)];
+            return super::device::step(
+                &mut self.on_device,
+                &device,
+                &self.groups,
+                &state,
+                grads,
+                inv_grad_scale,
+                self.step,
+                |group, (kernels, stream, table, inputs)| {
+                    // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives
+                    // the kernel, queued on candle's stream.
+                    unsafe { kernels.sgd(stream, table, inputs, &params[group]) }
+                        .map_err(crate::cuda::cuda_error)
+                },
+            );
+        }
         for group in 0..self.groups.groups.len() {
-            let options = self.groups.groups[group];
-            let params = SgdParams {
-                lr: options.lr.unwrap_or(self.config.lr),
-                momentum: self.config.momentum,
-                dampening: self.config.dampening,
-                weight_decay: options.weight_decay.unwrap_or(self.config.weight_decay),
-                nesterov: self.config.nesterov,
-                first_step: self.step == 1,
-            };
+            let params = self.kernel_params(group);
             let present = driver::with_grads(&self.groups.params, Some(group), grads);
             let buffers = &mut self.momentum.values;
             driver::for_each_batch(&self.groups.params, &present, |indices, views| {
@@ -116,6 +146,16 @@ impl state::Checkpointed for FusedSgd {
 
     fn buffers(&self) -> Vec<&Buffers> {
         vec![&self.momentum]
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_state(&self) -> Option<&crate::cuda::DeviceOptimizer> {
+        self.on_device.as_ref()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn forget_device_state(&mut self) {
+        self.on_device = None;
     }
 
     fn restore_core(

@@ -106,13 +106,14 @@ pub(crate) trait Checkpointed {
     fn core(&self) -> (Self::Config, u64, &ParamGroups);
     /// The state buffers, in a fixed order.
     fn buffers(&self) -> Vec<&Buffers>;
-    /// The buffers read back from a device when the optimizer keeps them there (checkpoints need the
-    /// current values); `None` when [`Self::buffers`] is current.
-    fn downloaded(&self) -> Result<Option<Vec<Buffers>>> {
-        Ok(None)
-    }
+    /// The state on a CUDA device, when the optimizer keeps it there: then the truth, [`Self::buffers`]
+    /// stale.
+    #[cfg(feature = "cuda")]
+    fn device_state(&self) -> Option<&crate::cuda::DeviceOptimizer>;
+    /// Drops the device copy of the state (a restore replaced it; the next step uploads the new one).
+    #[cfg(feature = "cuda")]
+    fn forget_device_state(&mut self);
     /// Installs restored settings and returns the buffers to fill, in the order of [`Self::buffers`].
-    /// An optimizer keeping its state on a device drops that copy: the next step uploads these.
     fn restore_core(
         &mut self,
         config: Self::Config,
@@ -136,10 +137,12 @@ impl<T: Checkpointed> TrainingState for T {
     fn save_state(&self) -> Result<SavedState> {
         let (config, step, groups) = self.core();
         let settings = Settings { config, step, groups: groups.groups.clone() };
-        match self.downloaded()? {
-            Some(buffers) => save(&settings, &groups.params, &buffers.iter().collect::<Vec<_>>()),
-            None => save(&settings, &groups.params, &self.buffers()),
+        #[cfg(feature = "cuda")]
+        if let Some(on_device) = self.device_state() {
+            let buffers = super::device::downloaded(on_device, &self.buffers())?;
+            return save(&settings, &groups.params, &buffers.iter().collect::<Vec<_>>());
         }
+        save(&settings, &groups.params, &self.buffers())
     }
 
     fn check_state(&self, saved: &SavedState) -> Result<()> {
@@ -149,6 +152,9 @@ impl<T: Checkpointed> TrainingState for T {
     fn restore_state(&mut self, saved: SavedState) -> Result<()> {
         let settings: Settings<T::Config> = check(&saved, &self.core().2.params, &self.buffers())?;
         let params = self.core().2.params.clone();
+        // The restored values are uploaded by the next step on the device.
+        #[cfg(feature = "cuda")]
+        self.forget_device_state();
         let mut buffers = self.restore_core(settings.config, settings.step, settings.groups);
         restore(&saved, &params, &mut buffers)
     }

@@ -1,8 +1,8 @@
 //! The `cuda` build: amp's kernels on candle's CUDA devices, on candle's stream (so they are ordered
 //! with the forward and backward passes without any synchronisation of their own).
 
-mod adam;
 mod checks;
+mod optimizer;
 mod tensors;
 
 use std::sync::Arc;
@@ -11,8 +11,8 @@ use amp_kernels::cuda::CudaKernels;
 use candle_core::{Device, Tensor};
 use cudarc::driver::CudaStream;
 
-pub(crate) use adam::AdamOnDevice;
 pub(crate) use checks::{find_non_finite, global_l2_norm, unscale_and_check};
+pub(crate) use optimizer::{DeviceOptimizer, Launch};
 
 use super::GpuInfo;
 use crate::error::{Error, Result};

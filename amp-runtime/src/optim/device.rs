@@ -1,0 +1,59 @@
+//! The fused optimizers' step on a CUDA device (feature `cuda`): their state moves to the device on the
+//! first step there and stays; checkpoints read it back; a restore drops it so the next step uploads the
+//! restored values.
+
+use candle_core::backprop::GradStore;
+use candle_core::Device;
+
+use super::params::ParamGroups;
+use super::state::Buffers;
+use crate::cuda::{DeviceOptimizer, Launch};
+use crate::error::Result;
+
+/// The CUDA device the optimizer's gradients are on, if they are on one.
+pub(crate) fn cuda_device(groups: &ParamGroups, grads: &GradStore) -> Option<Device> {
+    let grad = groups.params.iter().find_map(|p| grads.get(p.trainable.as_tensor()))?;
+    grad.device().is_cuda().then(|| grad.device().clone())
+}
+
+/// One step of every group on `device`: uploads the state on first use (`state`: each buffer and
+/// whether it is in use), then calls `launch(group, ...)` per group.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn step(
+    slot: &mut Option<DeviceOptimizer>,
+    device: &Device,
+    groups: &ParamGroups,
+    state: &[(&Buffers, bool)],
+    grads: &GradStore,
+    inv_grad_scale: f32,
+    step: u64,
+    mut launch: impl FnMut(usize, Launch<'_>) -> Result<()>,
+) -> Result<()> {
+    let on_device = match slot {
+        Some(on_device) => on_device,
+        None => {
+            let host: Vec<Option<&[Vec<f32>]>> =
+                state.iter().map(|(b, used)| used.then_some(&b.values[..])).collect();
+            slot.insert(DeviceOptimizer::new(device, groups, &host)?)
+        }
+    };
+    on_device.begin_step(inv_grad_scale, step)?;
+    for group in 0..groups.groups.len() {
+        on_device.launch_group(groups, grads, group, |l| launch(group, l))?;
+    }
+    crate::CastCache::clear();
+    Ok(())
+}
+
+/// The buffers with the device's values where the state lives there (for checkpoints).
+pub(crate) fn downloaded(on_device: &DeviceOptimizer, host: &[&Buffers]) -> Result<Vec<Buffers>> {
+    let values = on_device.download()?;
+    Ok(host
+        .iter()
+        .zip(values)
+        .map(|(buffer, values)| Buffers {
+            name: buffer.name,
+            values: values.unwrap_or_else(|| buffer.values.clone()),
+        })
+        .collect())
+}
