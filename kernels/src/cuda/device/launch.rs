@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::buffers::{DeviceScaler, DeviceTable, GradFactor, LambBuffers, NormBuffers};
 use super::{CudaError, CudaKernels};
@@ -39,6 +39,39 @@ pub struct OptimizerStep<'a> {
     pub scaler: &'a DeviceScaler,
     /// What gradients are multiplied by.
     pub factor: GradFactor<'a>,
+}
+
+/// The device words every optimizer kernel takes after its table and tensor count, in its order:
+/// step counter, skip flag, gradient factor.
+struct StepWords<'a> {
+    steps: &'a CudaSlice<i64>,
+    bad_tensor: CudaView<'a, u32>,
+    factor: FactorWord<'a>,
+}
+
+/// Where the gradient factor is read from.
+enum FactorWord<'a> {
+    InvScale(CudaView<'a, u32>),
+    Clipped(CudaView<'a, f32>),
+}
+
+impl<'a> OptimizerStep<'a> {
+    fn words(self) -> StepWords<'a> {
+        let factor = match self.factor {
+            GradFactor::InvScale => FactorWord::InvScale(self.scaler.inv_scale()),
+            GradFactor::Clipped(norms) => FactorWord::Clipped(norms.out.slice(1..2)),
+        };
+        StepWords { steps: self.steps, bad_tensor: self.scaler.bad_tensor(), factor }
+    }
+}
+
+/// Pushes `(table, n, steps, bad_tensor, grad_factor)`: how every optimizer kernel's arguments begin.
+fn push_step_args<'a>(b: &mut LaunchArgs<'a>, table: &'a DeviceTable, n: &'a i32, words: &'a StepWords<'a>) {
+    b.arg(&table.words).arg(n).arg(words.steps).arg(&words.bad_tensor);
+    match &words.factor {
+        FactorWord::InvScale(view) => b.arg(view),
+        FactorWord::Clipped(view) => b.arg(view),
+    };
 }
 
 fn blocks(table: &DeviceTable) -> LaunchConfig {
@@ -184,21 +217,11 @@ impl CudaKernels {
         if table.host().blocks() == 0 {
             return Ok(());
         }
-        let n = table.tensors_i32();
-        let OptimizerStep { steps, scaler, factor } = step;
-        let (inv, bad) = (scaler.inv_scale(), scaler.bad_tensor());
-        let clipped = match factor {
-            GradFactor::Clipped(norms) => Some(norms.out.slice(1..2)),
-            GradFactor::InvScale => None,
-        };
+        let (n, words) = (table.tensors_i32(), step.words());
         let (decoupled, bias_correction) =
             (i32::from(hp.decoupled_weight_decay), i32::from(hp.bias_correction));
         let mut b = stream.launch_builder(self.function("amp_adam")?);
-        b.arg(&table.words).arg(&n).arg(steps).arg(&bad);
-        match &clipped {
-            Some(view) => b.arg(view),
-            None => b.arg(&inv),
-        };
+        push_step_args(&mut b, table, &n, &words);
         b.arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps).arg(&hp.weight_decay);
         b.arg(&decoupled).arg(&bias_correction);
         // SAFETY: the caller vouches for the table; every other argument is live for the launch.
@@ -225,20 +248,10 @@ impl CudaKernels {
         if table.host().blocks() == 0 {
             return Ok(());
         }
-        let n = table.tensors_i32();
-        let OptimizerStep { steps, scaler, factor } = step;
-        let (inv, bad) = (scaler.inv_scale(), scaler.bad_tensor());
-        let clipped = match factor {
-            GradFactor::Clipped(norms) => Some(norms.out.slice(1..2)),
-            GradFactor::InvScale => None,
-        };
+        let (n, words) = (table.tensors_i32(), step.words());
         let nesterov = i32::from(hp.nesterov);
         let mut b = stream.launch_builder(self.function("amp_sgd")?);
-        b.arg(&table.words).arg(&n).arg(steps).arg(&bad);
-        match &clipped {
-            Some(view) => b.arg(view),
-            None => b.arg(&inv),
-        };
+        push_step_args(&mut b, table, &n, &words);
         b.arg(&hp.lr).arg(&hp.weight_decay).arg(&hp.momentum).arg(&hp.dampening).arg(&nesterov);
         // SAFETY: as in `adam`.
         unsafe { b.launch(blocks(table)) }?;
@@ -267,23 +280,13 @@ impl CudaKernels {
         if table.host().blocks() == 0 {
             return Ok(());
         }
-        let n = table.tensors_i32();
-        let OptimizerStep { steps, scaler, factor } = step;
-        let (inv, bad) = (scaler.inv_scale(), scaler.bad_tensor());
-        let clipped = match factor {
-            GradFactor::Clipped(norms) => Some(norms.out.slice(1..2)),
-            GradFactor::InvScale => None,
-        };
+        let (n, words) = (table.tensors_i32(), step.words());
         let decoupled = i32::from(hp.decoupled_weight_decay);
         let bias_correction = i32::from(hp.bias_correction);
         let (grad_averaging, always_adapt) = (i32::from(hp.grad_averaging), i32::from(hp.always_adapt));
 
         let mut b = stream.launch_builder(self.function("amp_lamb_moments")?);
-        b.arg(&table.words).arg(&n).arg(steps).arg(&bad);
-        match &clipped {
-            Some(view) => b.arg(view),
-            None => b.arg(&inv),
-        };
+        push_step_args(&mut b, table, &n, &words);
         b.arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps).arg(&hp.weight_decay);
         b.arg(&decoupled).arg(&bias_correction).arg(&grad_averaging).arg(&mut scratch.partials);
         // SAFETY: as in `adam`; partials has two slots per block (checked).
@@ -292,14 +295,15 @@ impl CudaKernels {
         let per_thread = 128u32;
         let grid = table.host().tensors().div_ceil(per_thread as usize) as u32;
         let mut b = stream.launch_builder(self.function("amp_lamb_ratios")?);
-        b.arg(&table.first_block).arg(&n).arg(&bad).arg(&scratch.partials).arg(&hp.lr);
+        b.arg(&table.first_block).arg(&n).arg(&words.bad_tensor).arg(&scratch.partials).arg(&hp.lr);
         b.arg(&hp.weight_decay).arg(&always_adapt).arg(&mut scratch.norms).arg(&mut scratch.ratios);
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (per_thread, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: norms and ratios are sized for the table (checked); first_block has n + 1 entries.
         unsafe { b.launch(cfg) }?;
 
         let mut b = stream.launch_builder(self.function("amp_lamb_apply")?);
-        b.arg(&table.words).arg(&n).arg(steps).arg(&bad).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps);
+        b.arg(&table.words).arg(&n).arg(words.steps).arg(&words.bad_tensor);
+        b.arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps);
         b.arg(&hp.weight_decay).arg(&decoupled).arg(&bias_correction).arg(&scratch.ratios);
         // SAFETY: as in `adam`.
         unsafe { b.launch(blocks(table)) }?;
