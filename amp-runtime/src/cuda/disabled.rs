@@ -39,3 +39,17 @@ pub(crate) fn find_non_finite(_tensors: &[&candle_core::Tensor]) -> Result<Optio
 pub(crate) fn global_l2_norm(_tensors: &[&candle_core::Tensor], _inv_scale: f32) -> Result<f32> {
     Err(Error::CudaNotBuilt)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_the_feature_every_entry_point_says_how_to_get_cuda() {
+        assert!(!is_available());
+        let message = prepare(&Device::Cpu).map(|_| ()).unwrap_err().to_string();
+        assert!(message.contains("`cuda` feature"), "{message}");
+        assert!(message.contains("scripts/cuda-toolchain.sh"), "{message}");
+        assert!(!on_cuda(&[]));
+    }
+}
