@@ -7,7 +7,7 @@
 //!   operation; compiled without FMA contraction and with IEEE division and square root, elementwise
 //!   results match the CPU bit for bit.
 //! - [`LaunchTable`]: the multi-tensor launch table (pointers, lengths and 64 Ki-element chunks), built on
-//!   the host once per parameter set and reused every step.
+//!   the host and reused while the addresses it holds stay the same.
 //! - With the `cuda` feature: `compile` (NVRTC, per architecture, with NVRTC's log on error) and, on a
 //!   device, `CudaKernels` (every family compiled once per device and cached) with typed launches.
 //!

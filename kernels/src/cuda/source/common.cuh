@@ -2,7 +2,7 @@
 // sources need no include paths and no CUDA headers (NVRTC ships none of cuda_fp16.h / cuda_bf16.h).
 //
 // Multi-tensor launches (in the spirit of Apex's multi_tensor_apply) read one table in device memory,
-// built once per parameter set by the host and reused every step (parameter buffers do not move):
+// built by the host and reused while its addresses stay the same:
 //
 //   table[l * n + t]             pointer of tensor t in list l (0 where a list is absent), l < lists
 //   table[lists * n + t]         element count of tensor t
