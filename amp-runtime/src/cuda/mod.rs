@@ -1,9 +1,9 @@
-//! NVIDIA GPUs: amp's kernels (unscale, norms, fused AdamW / SGD / LAMB, the scale's state machine) compiled at run
-//! time with NVRTC for the device at hand, once per process and device.
+//! NVIDIA GPUs: amp's kernels (unscale, norms, fused AdamW / SGD / LAMB, the scale's state machine)
+//! compiled at run time with NVRTC for the device at hand, once per process and device.
 //!
-//! With the `cuda` feature, the scaler and the fused optimizers ([`FusedAdam`](crate::optim::FusedAdam), SGD, LAMB) run on the device when
-//! the model's tensors are there: the same training code as on the CPU (type-checked, not yet run on a
-//! GPU: see the README's GPU section). Without it, the entry points
+//! With the `cuda` feature, the scaler and the fused optimizers ([`FusedAdam`](crate::optim::FusedAdam),
+//! SGD, LAMB) run on the device when the model's tensors are there: the same training code as on the CPU
+//! (type-checked, not yet run on a GPU: see the README's GPU section). Without it, the entry points
 //! below exist and return [`Error::CudaNotBuilt`](crate::Error::CudaNotBuilt), so code written for both
 //! compiles everywhere (candle's own CUDA device is then unavailable too).
 //!
