@@ -453,7 +453,9 @@ fn host_update(s: &mut ScaleState, overflow: bool, c: &ScaleConfig) {
     } else {
         s.applied += 1;
     }
-    s.last_bad_tensor = if overflow { Some(0) } else { None };
+    if overflow {
+        s.last_bad_tensor = Some(0);
+    }
     s.bad_tensor = None;
     s.last_change = if overflow {
         s.growth_tracker = 0;
@@ -482,5 +484,6 @@ fn host_update(s: &mut ScaleState, overflow: bool, c: &ScaleConfig) {
             }
         }
     };
+    s.floor_hits += u32::from(s.last_change == ScaleChange::AtFloor);
     s.inv_scale = 1.0 / s.scale;
 }

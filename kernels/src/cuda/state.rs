@@ -40,13 +40,17 @@ pub struct ScaleState {
     pub applied: u64,
     /// Set by the kernels of the step in flight: the first tensor with a non-finite value.
     pub bad_tensor: Option<u32>,
-    /// `bad_tensor` of the last recorded step.
+    /// `bad_tensor` of the most recent skipped step (kept through applied steps, for a lazy report).
     pub last_bad_tensor: Option<u32>,
     /// What the last update did.
     pub last_change: ScaleChange,
+    /// Overflows met at the minimum scale so far ([`ScaleChange::AtFloor`] updates).
+    pub floor_hits: u32,
 }
 
 impl ScaleState {
+    /// Word index of `scale`.
+    pub const SCALE_WORD: usize = 0;
     /// Word index of `inv_scale`.
     pub const INV_SCALE_WORD: usize = 1;
     /// Word index of `bad_tensor`.
@@ -66,6 +70,7 @@ impl ScaleState {
             bad_tensor: None,
             last_bad_tensor: None,
             last_change: ScaleChange::Kept,
+            floor_hits: 0,
         }
     }
 
@@ -91,7 +96,7 @@ impl ScaleState {
             flag(self.bad_tensor),
             flag(self.last_bad_tensor),
             self.last_change as u32,
-            0,
+            self.floor_hits,
         ]
     }
 
@@ -119,6 +124,7 @@ impl ScaleState {
             bad_tensor: flag(w[10]),
             last_bad_tensor: flag(w[11]),
             last_change,
+            floor_hits: w[13],
         })
     }
 }
@@ -135,6 +141,7 @@ mod tests {
         state.applied = (1 << 40) - 4;
         state.bad_tensor = Some(5);
         state.last_change = ScaleChange::Tolerated;
+        state.floor_hits = 3;
         assert_eq!(ScaleState::from_words(&state.to_words()), Some(state));
         assert_eq!(state.to_words()[ScaleState::INV_SCALE_WORD], (1.0f32 / 65536.0).to_bits());
         assert_eq!(state.to_words()[ScaleState::BAD_TENSOR_WORD], 5);
@@ -156,7 +163,7 @@ mod tests {
             "int bad_tensor;",
             "int last_bad_tensor;",
             "int last_change;",
-            "int pad;",
+            "unsigned int floor_hits;",
         ];
         let positions: Vec<usize> = fields.iter().map(|f| source.find(f).unwrap_or(usize::MAX)).collect();
         assert!(positions.windows(2).all(|w| w[0] < w[1] && w[1] != usize::MAX), "{positions:?}");

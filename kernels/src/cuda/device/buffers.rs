@@ -85,6 +85,18 @@ impl DeviceScaler {
         ScaleState::from_words(&words).ok_or_else(|| CudaError::Mismatch("corrupt scaler state".into()))
     }
 
+    /// The current loss scale, as one f32 on the device: what the loss is multiplied by without the host
+    /// knowing the value (copy it into a tensor of your own; the scaler's words change with each update).
+    ///
+    /// # Errors
+    /// None in practice (a `u32` word holds an `f32`); a mismatch error rather than a panic.
+    pub fn scale(&self) -> Result<CudaView<'_, f32>, CudaError> {
+        let word = self.words.slice(ScaleState::SCALE_WORD..ScaleState::SCALE_WORD + 1);
+        // SAFETY: every bit pattern is an f32, and the word is 4-byte aligned like the f32 it is.
+        unsafe { word.transmute::<f32>(1) }
+            .ok_or_else(|| CudaError::Mismatch("the scale word does not hold an f32".into()))
+    }
+
     pub(super) fn inv_scale(&self) -> CudaView<'_, u32> {
         self.words.slice(ScaleState::INV_SCALE_WORD..ScaleState::INV_SCALE_WORD + 1)
     }

@@ -2,7 +2,7 @@
 // steady state: the host reads the state (and so the step report) only when asked.
 // Mirrors amp_runtime's ScaleState::update exactly (growth interval, backoff, hysteresis, floor, ceiling).
 
-// Field order and types match amp_kernels::cuda::DeviceScaleState (repr(C)).
+// Field order and types match the words of amp_kernels::cuda::ScaleState (state.rs).
 struct amp_scale_state {
     float scale;
     float inv_scale;
@@ -12,9 +12,9 @@ struct amp_scale_state {
     unsigned long long skipped;
     unsigned long long applied;
     int bad_tensor;       // written by the step's kernels; AMP_NO_BAD_TENSOR when all was finite
-    int last_bad_tensor;  // bad_tensor of the last step, kept for the report
+    int last_bad_tensor;  // bad_tensor of the most recent skipped step, kept for the report
     int last_change;      // 0 kept, 1 grew, 2 backed off, 3 tolerated (hysteresis), 4 at the floor
-    int pad;
+    unsigned int floor_hits;  // overflows at the floor so far (the host stops training on a new one)
 };
 
 #define AMP_KEPT 0
@@ -48,7 +48,8 @@ __device__ int amp_scale_transition(amp_scale_state* s, bool overflow, int dynam
 }
 
 // One thread. Records the step that just ran (skipped when bad_tensor is set), moves the scale, and
-// clears bad_tensor for the next step.
+// clears bad_tensor for the next step. What the host's lazy report needs survives any number of steps:
+// the counters, the reason of the most recent skip, and how often the floor was hit.
 extern "C" __global__ void amp_scale_update(amp_scale_state* s, int dynamic, float growth_factor,
                                             float backoff_factor, unsigned int growth_interval,
                                             unsigned int hysteresis, float min_scale, float max_scale) {
@@ -62,8 +63,9 @@ extern "C" __global__ void amp_scale_update(amp_scale_state* s, int dynamic, flo
     }
     s->last_change = amp_scale_transition(s, overflow, dynamic, growth_factor, backoff_factor,
                                           growth_interval, hysteresis, min_scale, max_scale);
+    if (s->last_change == AMP_AT_FLOOR) s->floor_hits += 1;
     s->inv_scale = 1.0f / s->scale;
-    s->last_bad_tensor = s->bad_tensor;
+    if (overflow) s->last_bad_tensor = s->bad_tensor;
     s->bad_tensor = AMP_NO_BAD_TENSOR;
 }
 
