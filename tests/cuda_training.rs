@@ -8,6 +8,9 @@
 //! - A step whose gradients overflow leaves masters, working copies and moments bit-identical.
 //! - The scaler's unscale and check on the device find the same first overflowing parameter.
 //! - Optimizer state kept on the device goes into checkpoints and resumes exactly.
+//! - Deferred steps (`step_fused_deferred`: the scale, the checks and the skip decision stay on the
+//!   device) follow the CPU's `step_fused` through overflows, a NaN loss and clipping; `settle` reports
+//!   the same counts, reasons and scale, and a checkpoint taken with steps queued saves their outcome.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -52,6 +55,11 @@ fn model(device: &Device, half: Precision) -> amp::Result<Two> {
 
 /// Gradients equal to seeded values times `scale`, on the model's device.
 fn grads(model: &Two, step: u64, scale: f32) -> amp::Result<GradStore> {
+    Ok(loss(model, step, scale)?.backward()?)
+}
+
+/// `sum(w * g)` over the parameters, `g` seeded values times `scale`: the gradients are the `g`.
+fn loss(model: &Two, step: u64, scale: f32) -> amp::Result<Tensor> {
     let mut rng = StdRng::seed_from_u64(100 + step);
     let mut loss: Option<Tensor> = None;
     for (_, param) in model.named_params() {
@@ -64,7 +72,7 @@ fn grads(model: &Two, step: u64, scale: f32) -> amp::Result<GradStore> {
             None => term,
         });
     }
-    Ok(loss.expect("the model has parameters").backward()?)
+    Ok(loss.expect("the model has parameters"))
 }
 
 fn masters(model: &Two) -> amp::Result<Vec<Vec<f32>>> {
@@ -194,5 +202,86 @@ fn device_optimizer_state_round_trips_through_a_checkpoint() -> amp::Result<()> 
     }
     assert_eq!(masters(&restored_net)?, masters(&net)?, "resume is exact");
     std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}
+
+#[test]
+fn deferred_steps_on_cuda_follow_step_fused_on_the_cpu() -> amp::Result<()> {
+    let Some(cuda) = gpu() else { return Ok(()) };
+    for (name, make) in optimizers() {
+        for max_grad_norm in [None, Some(50.0)] {
+            let (on_gpu, on_cpu) = (model(&cuda, Precision::Fp16)?, model(&Device::Cpu, Precision::Fp16)?);
+            let mut gpu_opt = make(ParamGroups::from_model(&on_gpu)?)?;
+            let mut cpu_opt = make(ParamGroups::from_model(&on_cpu)?)?;
+            let config = ScalerConfig { growth_interval: 3, ..ScalerConfig::default() };
+            let (mut gpu_scaler, mut cpu_scaler) = (GradScaler::new(config)?, GradScaler::new(config)?);
+            let what = format!("{name}, clip {max_grad_norm:?}");
+            let mut window = Vec::new();
+            for step in 0..24 {
+                // Gradients of about 0.5 overflow fp16 at the initial scale 2^16 (|g| * 2^16 > 65504 for
+                // |g| > 1): the first steps are skipped until the scale backs off; the scale grows every
+                // 3 steps after. Step 10's loss is NaN.
+                let poison = if step == 10 { f64::NAN } else { 1.0 };
+                let gpu_loss = (loss(&on_gpu, step, 1.0)? * poison)?;
+                let cpu_loss = (loss(&on_cpu, step, 1.0)? * poison)?;
+                gpu_scaler.step_fused_deferred(&gpu_loss, gpu_opt.as_mut(), max_grad_norm)?;
+                window.push(cpu_scaler.step_fused(&cpu_loss, cpu_opt.as_mut(), max_grad_norm)?);
+                if step % 6 != 5 {
+                    continue;
+                }
+                assert_eq!(gpu_scaler.unsettled_steps(), 6, "{what}");
+                if step == 11 {
+                    // A checkpoint with steps queued saves their outcome.
+                    let saved = amp::checkpoint::TrainingState::save_state(&gpu_scaler)?;
+                    let want = amp::checkpoint::TrainingState::save_state(&cpu_scaler)?;
+                    assert_eq!(saved.json, want.json, "{what}: scaler state saved mid-queue");
+                }
+                let settled = gpu_scaler.settle()?;
+                let skipped: Vec<_> = window.iter().filter(|r| !r.applied()).collect();
+                assert_eq!(
+                    (settled.steps, settled.skipped),
+                    (6, skipped.len() as u64),
+                    "{what}: step {step}: {settled}"
+                );
+                assert_eq!(
+                    settled.last_skip,
+                    skipped.last().and_then(|r| r.skipped.clone()),
+                    "{what}: {settled}"
+                );
+                assert_eq!(gpu_scaler.state(), cpu_scaler.state(), "{what}: step {step}");
+                window.clear();
+                // Clipping multiplies by a factor from the global norm, summed in another order on each
+                // side: an ulp of the factor per step, hence the looser bound.
+                let tolerance = if max_grad_norm.is_some() { 1e-5 } else { 1e-6 };
+                let error = max_relative(&masters(&on_gpu)?, &masters(&on_cpu)?);
+                assert!(error <= tolerance, "{what}: step {step}: masters differ by {error:e} relative");
+            }
+            let state = cpu_scaler.state();
+            assert!(state.skipped >= 2 && state.applied >= 12, "{what}: both kinds of step: {state:?}");
+            working_copies_are_rounded_masters(&on_gpu)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn deferred_adam_counts_its_steps_on_the_device() -> amp::Result<()> {
+    let Some(cuda) = gpu() else { return Ok(()) };
+    let net = model(&cuda, Precision::Bf16)?;
+    let mut adam = FusedAdam::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+    let mut scaler = GradScaler::for_model(&net, ScalerConfig::default())?.with_finite_guard(true);
+    for step in 0..5 {
+        // Step 2's loss is NaN: the guard skips it on the device.
+        let poison = if step == 2 { f64::NAN } else { 1.0 };
+        scaler.step_fused_deferred(&(loss(&net, step, 1.0)? * poison)?, &mut adam, None)?;
+    }
+    assert_eq!(adam.steps()?, 4, "the skipped step is not counted");
+    let settled = scaler.settle()?;
+    assert_eq!((settled.steps, settled.applied), (5, 4), "{settled}");
+    assert_eq!(settled.last_skip, Some(amp::scaler::SkipReason::NonFiniteLoss));
+    // A host-side step takes the state back and goes on from the device's counts.
+    let report = scaler.step_fused(&loss(&net, 5, 1.0)?, &mut adam, None)?;
+    assert!(report.applied(), "{report}");
+    assert_eq!((report.step, adam.steps()?), (6, 5));
     Ok(())
 }

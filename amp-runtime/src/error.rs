@@ -110,6 +110,20 @@ pub enum Error {
         /// The tensor's device.
         device: String,
     },
+    /// A step asked to run without waiting for the device that cannot.
+    #[error("{what} cannot run as a deferred step: call `GradScaler::step_fused` instead (it waits once per step)")]
+    NotDeferrable {
+        /// What was asked.
+        what: String,
+    },
+    /// Steps queued on a device whose outcome the host has not read yet, met by a call that needs it.
+    #[error("{steps} deferred step(s) are still on the device: call `GradScaler::settle` before `{call}`")]
+    Unsettled {
+        /// Deferred steps not yet settled.
+        steps: u64,
+        /// The call that needs the settled state.
+        call: &'static str,
+    },
     /// A CUDA entry point in a build without the `cuda` feature.
     #[error(
         "amp was built without CUDA: enable the `cuda` feature of `amp` (it needs the CUDA toolkit's nvcc to \

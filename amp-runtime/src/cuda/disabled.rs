@@ -20,6 +20,17 @@ pub fn prepare(_device: &Device) -> Result<GpuInfo> {
     Err(Error::CudaNotBuilt)
 }
 
+/// A loss scaler's verdict on a CUDA device (see the `cuda` build). Without CUDA there is none: this
+/// type has no values.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceGate<'a> {
+    _never: Never,
+    _lifetime: std::marker::PhantomData<&'a ()>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Never {}
+
 /// Without CUDA no tensor is on a CUDA device.
 pub(crate) fn on_cuda(_tensors: &[&candle_core::Tensor]) -> bool {
     false

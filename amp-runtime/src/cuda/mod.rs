@@ -23,17 +23,18 @@
 mod enabled;
 #[cfg(feature = "cuda")]
 pub(crate) use enabled::{
-    cuda_error, find_non_finite, global_l2_norm, on_cuda, unscale_and_check, DeviceOptimizer, Launch,
+    cuda_error, find_non_finite, global_l2_norm, loss_f32, on_cuda, unscale_and_check, DeviceOptimizer, Gate,
+    GradCheck, Launch, QueuedScaler,
 };
 #[cfg(feature = "cuda")]
-pub use enabled::{is_available, prepare};
+pub use enabled::{is_available, prepare, DeviceGate};
 
 #[cfg(not(feature = "cuda"))]
 mod disabled;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use disabled::{find_non_finite, global_l2_norm, on_cuda, unscale_and_check};
 #[cfg(not(feature = "cuda"))]
-pub use disabled::{is_available, prepare};
+pub use disabled::{is_available, prepare, DeviceGate};
 
 /// A CUDA device as amp sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]

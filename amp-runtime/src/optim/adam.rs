@@ -91,9 +91,43 @@ impl FusedAdam {
         &self.config
     }
 
-    /// Applied steps so far (bias correction uses it).
-    pub fn steps(&self) -> u64 {
-        self.step
+    /// Applied steps so far (bias correction uses it). On a CUDA device this reads the device's count,
+    /// waiting for the queued steps.
+    pub fn steps(&self) -> Result<u64> {
+        #[cfg(feature = "cuda")]
+        if let Some(on_device) = &self.on_device {
+            return on_device.applied_steps();
+        }
+        Ok(self.step)
+    }
+
+    /// One step on a CUDA device (the state moves there on the first).
+    #[cfg(feature = "cuda")]
+    fn device_step(
+        &mut self,
+        device: &candle_core::Device,
+        grads: &GradStore,
+        gate: crate::cuda::Gate<'_>,
+    ) -> Result<()> {
+        let params: Vec<AdamParams> = (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
+        let state =
+            [(&self.exp_avg, true), (&self.exp_avg_sq, true), (&self.max_exp_avg_sq, self.config.amsgrad)];
+        super::device::step(
+            &mut self.on_device,
+            device,
+            &self.groups,
+            &state,
+            grads,
+            gate,
+            self.step,
+            |group, (kernels, stream, table, inputs)| {
+                // SAFETY: the table holds live device buffers of the recorded types (gradients in
+                // `grads`, masters and copies in the parameters, state in `on_device`), all of which
+                // outlive the kernel, queued on candle's stream.
+                unsafe { kernels.adam(stream, table, inputs, &params[group]) }
+                    .map_err(crate::cuda::cuda_error)
+            },
+        )
     }
 
     fn kernel_params(&self, group: usize) -> AdamParams {
@@ -114,33 +148,13 @@ impl FusedAdam {
 
 impl FusedOptimizer for FusedAdam {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
-        self.step += 1;
         #[cfg(feature = "cuda")]
         if let Some(device) = super::device::cuda_device(&self.groups, grads) {
-            let params: Vec<AdamParams> =
-                (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
-            let state = [
-                (&self.exp_avg, true),
-                (&self.exp_avg_sq, true),
-                (&self.max_exp_avg_sq, self.config.amsgrad),
-            ];
-            return super::device::step(
-                &mut self.on_device,
-                &device,
-                &self.groups,
-                &state,
-                grads,
-                inv_grad_scale,
-                self.step,
-                |group, (kernels, stream, table, inputs)| {
-                    // SAFETY: the table holds live device buffers of the recorded types (gradients in
-                    // `grads`, masters and copies in the parameters, state in `on_device`), all of which
-                    // outlive the kernel, queued on candle's stream.
-                    unsafe { kernels.adam(stream, table, inputs, &params[group]) }
-                        .map_err(crate::cuda::cuda_error)
-                },
-            );
+            self.device_step(&device, grads, crate::cuda::Gate::Host(inv_grad_scale))?;
+            self.step += 1;
+            return Ok(());
         }
+        self.step += 1;
         for group in 0..self.groups.groups.len() {
             let params = self.kernel_params(group);
             let present = driver::with_grads(&self.groups.params, Some(group), grads);
@@ -166,6 +180,12 @@ impl FusedOptimizer for FusedAdam {
         }
         crate::CastCache::clear();
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn step_gated(&mut self, grads: &GradStore, gate: &crate::cuda::DeviceGate<'_>) -> Result<()> {
+        let device = super::device::gated_device(&self.groups, grads)?;
+        self.device_step(&device, grads, crate::cuda::Gate::Device(*gate))
     }
 
     fn learning_rate(&self) -> f64 {

@@ -7,7 +7,7 @@ use candle_core::Device;
 
 use super::params::ParamGroups;
 use super::state::Buffers;
-use crate::cuda::{DeviceOptimizer, Launch};
+use crate::cuda::{DeviceOptimizer, Gate, Launch};
 use crate::error::Result;
 
 /// The CUDA device the optimizer's gradients are on, if they are on one.
@@ -17,7 +17,8 @@ pub(crate) fn cuda_device(groups: &ParamGroups, grads: &GradStore) -> Option<Dev
 }
 
 /// One step of every group on `device`: uploads the state on first use (`state`: each buffer and
-/// whether it is in use), then calls `launch(group, ...)` per group.
+/// whether it is in use; `applied`: steps applied before this one), calls `launch(group, ...)` per
+/// group, and counts the step on the device unless `gate` skips it there.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn step(
     slot: &mut Option<DeviceOptimizer>,
@@ -25,8 +26,8 @@ pub(crate) fn step(
     groups: &ParamGroups,
     state: &[(&Buffers, bool)],
     grads: &GradStore,
-    inv_grad_scale: f32,
-    step: u64,
+    gate: Gate<'_>,
+    applied: u64,
     mut launch: impl FnMut(usize, Launch<'_>) -> Result<()>,
 ) -> Result<()> {
     let on_device = match slot {
@@ -34,26 +35,36 @@ pub(crate) fn step(
         None => {
             let host: Vec<Option<&[Vec<f32>]>> =
                 state.iter().map(|(b, used)| used.then_some(&b.values[..])).collect();
-            slot.insert(DeviceOptimizer::new(device, groups, &host)?)
+            slot.insert(DeviceOptimizer::new(device, groups, &host, applied)?)
         }
     };
-    on_device.begin_step(inv_grad_scale, step)?;
+    on_device.begin_step(gate)?;
     for group in 0..groups.groups.len() {
-        on_device.launch_group(groups, grads, group, |l| launch(group, l))?;
+        on_device.launch_group(groups, grads, group, gate, |l| launch(group, l))?;
     }
+    on_device.end_step(gate)?;
     crate::CastCache::clear();
     Ok(())
 }
 
-/// The buffers with the device's values where the state lives there (for checkpoints).
-pub(crate) fn downloaded(on_device: &DeviceOptimizer, host: &[&Buffers]) -> Result<Vec<Buffers>> {
+/// The device of the optimizer's gradients, which must be a CUDA device for a gated step.
+pub(crate) fn gated_device(groups: &ParamGroups, grads: &GradStore) -> Result<Device> {
+    cuda_device(groups, grads).ok_or_else(|| crate::Error::NotDeferrable {
+        what: "an optimizer whose gradients are not on the CUDA device of the loss".into(),
+    })
+}
+
+/// The buffers with the device's values where the state lives there, and the applied steps (for
+/// checkpoints).
+pub(crate) fn downloaded(on_device: &DeviceOptimizer, host: &[&Buffers]) -> Result<(Vec<Buffers>, u64)> {
     let values = on_device.download()?;
-    Ok(host
+    let buffers = host
         .iter()
         .zip(values)
         .map(|(buffer, values)| Buffers {
             name: buffer.name,
             values: values.unwrap_or_else(|| buffer.values.clone()),
         })
-        .collect())
+        .collect();
+    Ok((buffers, on_device.applied_steps()?))
 }

@@ -85,6 +85,35 @@ impl FusedLamb {
         &self.norms
     }
 
+    /// One step on a CUDA device (the state moves there on the first).
+    #[cfg(feature = "cuda")]
+    fn device_step(
+        &mut self,
+        device: &candle_core::Device,
+        grads: &GradStore,
+        gate: crate::cuda::Gate<'_>,
+    ) -> Result<()> {
+        let params: Vec<LambParams> = (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
+        let state = [(&self.exp_avg, true), (&self.exp_avg_sq, true)];
+        super::device::step(
+            &mut self.on_device,
+            device,
+            &self.groups,
+            &state,
+            grads,
+            gate,
+            self.step,
+            |group, (kernels, stream, table, inputs)| {
+                let cuda_error = crate::cuda::cuda_error;
+                let mut scratch = amp_kernels::cuda::LambBuffers::new(stream, table).map_err(cuda_error)?;
+                // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives
+                // the kernels, queued on candle's stream; the scratch is sized for the table.
+                unsafe { kernels.lamb(stream, table, inputs, &params[group], &mut scratch) }
+                    .map_err(cuda_error)
+            },
+        )
+    }
+
     fn kernel_params(&self, group: usize) -> LambParams {
         let options = self.groups.groups[group];
         LambParams {
@@ -104,31 +133,13 @@ impl FusedLamb {
 
 impl FusedOptimizer for FusedLamb {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
-        self.step += 1;
         #[cfg(feature = "cuda")]
         if let Some(device) = super::device::cuda_device(&self.groups, grads) {
-            let params: Vec<LambParams> =
-                (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
-            let state = [(&self.exp_avg, true), (&self.exp_avg_sq, true)];
-            return super::device::step(
-                &mut self.on_device,
-                &device,
-                &self.groups,
-                &state,
-                grads,
-                inv_grad_scale,
-                self.step,
-                |group, (kernels, stream, table, inputs)| {
-                    let cuda_error = crate::cuda::cuda_error;
-                    let mut scratch =
-                        amp_kernels::cuda::LambBuffers::new(stream, table).map_err(cuda_error)?;
-                    // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives
-                    // the kernels, queued on candle's stream; the scratch is sized for the table.
-                    unsafe { kernels.lamb(stream, table, inputs, &params[group], &mut scratch) }
-                        .map_err(cuda_error)
-                },
-            );
+            self.device_step(&device, grads, crate::cuda::Gate::Host(inv_grad_scale))?;
+            self.step += 1;
+            return Ok(());
         }
+        self.step += 1;
         for group in 0..self.groups.groups.len() {
             let params = self.kernel_params(group);
             let present = driver::with_grads(&self.groups.params, Some(group), grads);
@@ -151,6 +162,12 @@ impl FusedOptimizer for FusedLamb {
         }
         crate::CastCache::clear();
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn step_gated(&mut self, grads: &GradStore, gate: &crate::cuda::DeviceGate<'_>) -> Result<()> {
+        let device = super::device::gated_device(&self.groups, grads)?;
+        self.device_step(&device, grads, crate::cuda::Gate::Device(*gate))
     }
 
     fn learning_rate(&self) -> f64 {

@@ -60,6 +60,15 @@ pub trait FusedOptimizer {
         self.step_scaled(grads, 1.0)
     }
 
+    /// One step queued on a CUDA device behind a loss scaler's verdict there: the kernels skip it when
+    /// the scaler's flag says a value was not finite and read the gradient factor from device memory,
+    /// so nothing waits for the device ([`GradScaler::step_fused_deferred`] calls it). amp's fused
+    /// optimizers implement it; the default refuses with [`Error::NotDeferrable`](crate::Error::NotDeferrable).
+    fn step_gated(&mut self, grads: &GradStore, gate: &crate::cuda::DeviceGate<'_>) -> Result<()> {
+        let _ = (grads, gate);
+        Err(crate::Error::NotDeferrable { what: "this optimizer".into() })
+    }
+
     /// The base learning rate.
     fn learning_rate(&self) -> f64;
 
@@ -71,6 +80,15 @@ pub trait FusedOptimizer {
 
     /// Bytes of optimizer state (fp32), for memory accounting.
     fn state_bytes(&self) -> usize;
+}
+
+/// The optimizer's parameters that have a gradient in `grads` (indices into its parameters), with it.
+#[cfg(feature = "cuda")]
+pub(crate) fn present_grads<'g>(
+    optimizer: &dyn FusedOptimizer,
+    grads: &'g GradStore,
+) -> Vec<(usize, &'g candle_core::Tensor)> {
+    driver::with_grads(optimizer.param_groups().params(), None, grads)
 }
 
 /// The global L2 norm of the optimizer's gradients after multiplying them by `inv_scale`, in one
@@ -111,6 +129,7 @@ impl GradScaler {
         optimizer: &mut dyn FusedOptimizer,
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport> {
+        self.reclaim()?;
         let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
         if !value.is_finite() {
             return self.update(Some(SkipReason::NonFiniteLoss));

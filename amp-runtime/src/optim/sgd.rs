@@ -61,6 +61,32 @@ impl FusedSgd {
         })
     }
 
+    /// One step on a CUDA device (the state moves there on the first).
+    #[cfg(feature = "cuda")]
+    fn device_step(
+        &mut self,
+        device: &candle_core::Device,
+        grads: &GradStore,
+        gate: crate::cuda::Gate<'_>,
+    ) -> Result<()> {
+        let params: Vec<SgdParams> = (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
+        let state = [(&self.momentum, self.config.momentum != 0.0)];
+        super::device::step(
+            &mut self.on_device,
+            device,
+            &self.groups,
+            &state,
+            grads,
+            gate,
+            self.step,
+            |group, (kernels, stream, table, inputs)| {
+                // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives
+                // the kernel, queued on candle's stream.
+                unsafe { kernels.sgd(stream, table, inputs, &params[group]) }.map_err(crate::cuda::cuda_error)
+            },
+        )
+    }
+
     fn kernel_params(&self, group: usize) -> SgdParams {
         let options = self.groups.groups[group];
         SgdParams {
@@ -76,28 +102,13 @@ impl FusedSgd {
 
 impl FusedOptimizer for FusedSgd {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
-        self.step += 1;
         #[cfg(feature = "cuda")]
         if let Some(device) = super::device::cuda_device(&self.groups, grads) {
-            let params: Vec<SgdParams> =
-                (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
-            let state = [(&self.momentum, self.config.momentum != 0.0)];
-            return super::device::step(
-                &mut self.on_device,
-                &device,
-                &self.groups,
-                &state,
-                grads,
-                inv_grad_scale,
-                self.step,
-                |group, (kernels, stream, table, inputs)| {
-                    // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives
-                    // the kernel, queued on candle's stream.
-                    unsafe { kernels.sgd(stream, table, inputs, &params[group]) }
-                        .map_err(crate::cuda::cuda_error)
-                },
-            );
+            self.device_step(&device, grads, crate::cuda::Gate::Host(inv_grad_scale))?;
+            self.step += 1;
+            return Ok(());
         }
+        self.step += 1;
         for group in 0..self.groups.groups.len() {
             let params = self.kernel_params(group);
             let present = driver::with_grads(&self.groups.params, Some(group), grads);
@@ -118,6 +129,12 @@ impl FusedOptimizer for FusedSgd {
         }
         crate::CastCache::clear();
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn step_gated(&mut self, grads: &GradStore, gate: &crate::cuda::DeviceGate<'_>) -> Result<()> {
+        let device = super::device::gated_device(&self.groups, grads)?;
+        self.device_step(&device, grads, crate::cuda::Gate::Device(*gate))
     }
 
     fn learning_rate(&self) -> f64 {

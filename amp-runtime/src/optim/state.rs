@@ -139,7 +139,8 @@ impl<T: Checkpointed> TrainingState for T {
         let settings = Settings { config, step, groups: groups.groups.clone() };
         #[cfg(feature = "cuda")]
         if let Some(on_device) = self.device_state() {
-            let buffers = super::device::downloaded(on_device, &self.buffers())?;
+            let (buffers, step) = super::device::downloaded(on_device, &self.buffers())?;
+            let settings = Settings { step, ..settings };
             return save(&settings, &groups.params, &buffers.iter().collect::<Vec<_>>());
         }
         save(&settings, &groups.params, &self.buffers())

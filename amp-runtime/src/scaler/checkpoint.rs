@@ -30,7 +30,7 @@ impl TrainingState for GradScaler {
     }
 
     fn save_state(&self) -> Result<SavedState> {
-        let saved = Saved { config: self.config, state: self.state, enabled: self.enabled };
+        let saved = Saved { config: self.config, state: self.current_state()?, enabled: self.enabled };
         let json = serde_json::to_string(&saved).map_err(|e| Error::Internal { what: e.to_string() })?;
         Ok(SavedState { json, tensors: Vec::new() })
     }
@@ -45,6 +45,7 @@ impl TrainingState for GradScaler {
         self.state = saved.state;
         self.enabled = saved.enabled;
         self.finite_guard |= saved.enabled;
+        self.forget_deferred();
         Ok(())
     }
 }

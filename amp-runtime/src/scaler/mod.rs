@@ -11,14 +11,21 @@
 //! Models without fp16 (bf16 or fp32 only) need none of this: [`GradScaler::for_model`] then makes a
 //! disabled scaler whose scale is 1 and which multiplies nothing; it can still guard against non-finite
 //! gradients with one read-only pass ([`GradScaler::with_finite_guard`]).
+//!
+//! On a CUDA device, [`GradScaler::step_fused_deferred`] runs the whole protocol there without the host
+//! waiting for anything (the loss check and the skip decision included); [`GradScaler::settle`] reads
+//! what the queued steps did when the host wants to know.
 
 mod checkpoint;
 mod config;
+mod deferred;
 mod report;
+mod settled;
 mod state;
 
 pub use config::{AtScaleFloor, ScalerConfig};
 pub use report::{SkipReason, StepReport};
+pub use settled::Settled;
 pub use state::{ScaleChange, ScaleState};
 
 use candle_core::backprop::GradStore;
@@ -28,14 +35,20 @@ use crate::error::{Error, Result};
 use crate::{AmpModule, AmpModuleExt};
 
 /// A dynamic or static loss scaler (PyTorch's `GradScaler`, Apex's `LossScaler`).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct GradScaler {
     config: ScalerConfig,
+    /// The truth, except while deferred steps are queued on a device: then as of the last settle.
     state: ScaleState,
     enabled: bool,
     finite_guard: bool,
     log: report::SkipLog,
     key: String,
+    /// Deferred steps read but not yet returned by `settle`.
+    window: Settled,
+    /// The state on a CUDA device since the last deferred step (the truth while steps are queued).
+    #[cfg(feature = "cuda")]
+    device: Option<crate::cuda::QueuedScaler>,
 }
 
 /// The result of [`GradScaler::unscale`].
@@ -56,6 +69,9 @@ impl GradScaler {
             finite_guard: true,
             log: report::SkipLog::new(1000),
             key: "scaler".into(),
+            window: Settled::none(1.0),
+            #[cfg(feature = "cuda")]
+            device: None,
         })
     }
 
@@ -70,6 +86,9 @@ impl GradScaler {
             finite_guard: false,
             log: report::SkipLog::new(1000),
             key: "scaler".into(),
+            window: Settled::none(1.0),
+            #[cfg(feature = "cuda")]
+            device: None,
         }
     }
 
@@ -107,7 +126,8 @@ impl GradScaler {
         self.enabled
     }
 
-    /// The current loss scale (1 when disabled).
+    /// The current loss scale (1 when disabled); after deferred steps, as of the last
+    /// [`settle`](Self::settle).
     pub fn scale(&self) -> f32 {
         self.state.scale
     }
@@ -117,13 +137,18 @@ impl GradScaler {
         &self.config
     }
 
-    /// The evolving state (scale, trackers, counts).
+    /// The evolving state (scale, trackers, counts); after deferred steps, as of the last
+    /// [`settle`](Self::settle).
     pub fn state(&self) -> &ScaleState {
         &self.state
     }
 
     /// `loss * scale` in f32, to call `backward` on. The loss itself when disabled.
+    ///
+    /// # Errors
+    /// [`Error::Unsettled`] while deferred steps are queued: their scale is on the device.
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
+        self.expect_settled("scale_loss")?;
         if !self.enabled {
             return Ok(loss.clone());
         }
@@ -136,6 +161,7 @@ impl GradScaler {
     /// happens in f32, never in fp16, where small unscaled gradients would flush to zero. A disabled
     /// scaler re-keys and, when guarded, only checks. Parameters without a gradient are ignored.
     pub fn unscale<M: AmpModule + ?Sized>(&self, model: &M, grads: &mut GradStore) -> Result<Unscaled> {
+        self.expect_settled("unscale")?;
         crate::grads_to_masters(model, grads)?;
         let params = model.named_params();
         let present: Vec<(&str, &Tensor)> = params
@@ -157,6 +183,7 @@ impl GradScaler {
     /// Fails with [`Error::ScaleAtFloor`] when non-finite values persist at the minimum scale and the
     /// config says to stop.
     pub fn update(&mut self, skipped: Option<SkipReason>) -> Result<StepReport> {
+        self.reclaim()?;
         let scale_before = self.state.scale;
         let warmup = skipped.is_some() && self.state.applied == 0;
         let change = self.state.update(skipped.is_some(), &self.config);
@@ -189,6 +216,7 @@ impl GradScaler {
         loss: &Tensor,
         apply: impl FnOnce(&mut GradStore) -> Result<()>,
     ) -> Result<StepReport> {
+        self.reclaim()?;
         let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
         if !value.is_finite() {
             return self.update(Some(SkipReason::NonFiniteLoss));
@@ -209,6 +237,7 @@ impl GradScaler {
         config.validate()?;
         self.config = config;
         self.state = state;
+        self.forget_deferred();
         Ok(())
     }
 }

@@ -98,7 +98,22 @@ impl SkipLog {
         if report.change == ScaleChange::AtFloor {
             tracing::warn!("{report}: the scale is at its floor and cannot remove this non-finite value");
         }
-        if report.step - self.window_start >= self.every {
+        self.summarise(report.step, report.scale_after);
+    }
+
+    /// Counts the skips of deferred steps, read at once (`step` is the scaler's count after them).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn record_settled(&mut self, settled: &super::Settled, step: u64) {
+        if settled.skipped > 0 {
+            self.skips += settled.skipped;
+            self.last.clone_from(&settled.last_skip);
+        }
+        self.summarise(step, settled.scale_after);
+    }
+
+    /// Logs the window's skips when it is `every` steps long.
+    fn summarise(&mut self, step: u64, scale: f32) {
+        if step - self.window_start >= self.every {
             if self.skips > 0 {
                 let last = match &self.last {
                     Some(SkipReason::GradientOverflow { param }) => format!("last in `{param}`"),
@@ -106,13 +121,12 @@ impl SkipLog {
                     None => String::new(),
                 };
                 tracing::warn!(
-                    "{} of the last {} steps skipped for non-finite values ({last}); loss scale now {}",
+                    "{} of the last {} steps skipped for non-finite values ({last}); loss scale now {scale}",
                     self.skips,
-                    report.step - self.window_start,
-                    report.scale_after
+                    step - self.window_start,
                 );
             }
-            self.window_start = report.step;
+            self.window_start = step;
             self.skips = 0;
         }
     }

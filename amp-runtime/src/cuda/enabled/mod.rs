@@ -3,6 +3,7 @@
 
 mod checks;
 mod optimizer;
+mod queued;
 mod tensors;
 
 use std::sync::Arc;
@@ -12,7 +13,9 @@ use candle_core::{Device, Tensor};
 use cudarc::driver::CudaStream;
 
 pub(crate) use checks::{find_non_finite, global_l2_norm, unscale_and_check};
-pub(crate) use optimizer::{DeviceOptimizer, Launch};
+pub use optimizer::DeviceGate;
+pub(crate) use optimizer::{DeviceOptimizer, Gate, Launch};
+pub(crate) use queued::{loss_f32, GradCheck, QueuedScaler};
 
 use super::GpuInfo;
 use crate::error::{Error, Result};

@@ -21,6 +21,25 @@ use crate::optim::{OptimParam, ParamGroups};
 /// What a launch closure gets: the kernels, the stream, the group's table, the step inputs.
 pub(crate) type Launch<'a> = (&'a CudaKernels, &'a Arc<CudaStream>, &'a DeviceTable, OptimizerStep<'a>);
 
+/// A loss scaler's verdict on the device, handed to [`FusedOptimizer::step_gated`](crate::optim::FusedOptimizer::step_gated)
+/// by [`GradScaler::step_fused_deferred`](crate::GradScaler::step_fused_deferred): the kernels skip
+/// the step when its flag is set and read the gradient factor from device memory, so nobody waits for
+/// the device. Only amp makes one.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceGate<'a> {
+    pub(crate) scaler: &'a DeviceScaler,
+    pub(crate) factor: GradFactor<'a>,
+}
+
+/// Who decided that a step runs and what gradients are multiplied by.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Gate<'a> {
+    /// The host: the step runs, gradients are multiplied by this factor.
+    Host(f32),
+    /// A loss scaler on the device (a deferred step).
+    Device(DeviceGate<'a>),
+}
+
 /// The state buffers of every parameter, on the device; `None` for a kind not in use (AMSGrad off, no
 /// momentum), which the kernels see as null pointers.
 #[derive(Debug)]
@@ -29,18 +48,25 @@ pub(crate) struct DeviceOptimizer {
     state: Vec<Option<Vec<CudaSlice<f32>>>>,
     /// Elements per parameter (an empty parameter still gets a one-element buffer).
     lens: Vec<usize>,
-    /// Carries the step's gradient factor in its inverse-scale word; its skip flag stays clear (the
-    /// scaler decided to step before calling the optimizer).
+    /// Carries a host-decided step's gradient factor in its inverse-scale word; its skip flag stays
+    /// clear (the scaler decided to step before calling the optimizer).
     factor: DeviceScaler,
-    /// Applied steps before this one (bias correction, SGD's first step).
+    /// Applied steps (bias correction, SGD's first step): counted on the device, since a deferred
+    /// step's outcome is known only there; the truth while the state lives on the device.
     steps: CudaSlice<i64>,
     /// The last table of each group: reused while the addresses stay the same.
     tables: Vec<Option<DeviceTable>>,
 }
 
 impl DeviceOptimizer {
-    /// Uploads the host state (zeros, or what a checkpoint restored); `None` for kinds not in use.
-    pub fn new(device: &Device, groups: &ParamGroups, state: &[Option<&[Vec<f32>]>]) -> Result<Self> {
+    /// Uploads the host state (zeros, or what a checkpoint restored; `None` for kinds not in use) and
+    /// the count of steps applied so far.
+    pub fn new(
+        device: &Device,
+        groups: &ParamGroups,
+        state: &[Option<&[Vec<f32>]>],
+        applied: u64,
+    ) -> Result<Self> {
         let gpu = Gpu::of(device)?;
         let upload = |values: &[Vec<f32>]| -> Result<Vec<CudaSlice<f32>>> {
             values
@@ -53,21 +79,39 @@ impl DeviceOptimizer {
         Ok(DeviceOptimizer {
             lens: groups.params.iter().map(OptimParam::elem_count).collect(),
             factor: DeviceScaler::new(&gpu.stream, &ScaleState::new(1.0, 1)).map_err(cuda_error)?,
-            steps: gpu.stream.alloc_zeros(1).map_err(cuda_error)?,
+            steps: gpu
+                .stream
+                .clone_htod(&[i64::try_from(applied).unwrap_or(i64::MAX)])
+                .map_err(cuda_error)?,
             tables: (0..groups.groups.len()).map(|_| None).collect(),
             state,
             gpu,
         })
     }
 
-    /// Uploads the step's gradient factor and the number of applied steps before it (the host's count
-    /// is the truth), asynchronously.
-    pub fn begin_step(&mut self, inv_grad_scale: f32, step: u64) -> Result<()> {
-        let state = ScaleState { inv_scale: inv_grad_scale, ..ScaleState::new(1.0, 1) };
-        self.factor.write(&self.gpu.stream, &state).map_err(cuda_error)?;
-        let before = i64::try_from(step.saturating_sub(1)).unwrap_or(i64::MAX);
-        self.gpu.stream.memcpy_htod(&[before], &mut self.steps).map_err(cuda_error)?;
+    /// Uploads a host-decided step's gradient factor, asynchronously (a deferred step reads its
+    /// factor from the scaler's gate instead).
+    pub fn begin_step(&mut self, gate: Gate<'_>) -> Result<()> {
+        if let Gate::Host(inv_grad_scale) = gate {
+            let state = ScaleState { inv_scale: inv_grad_scale, ..ScaleState::new(1.0, 1) };
+            self.factor.write(&self.gpu.stream, &state).map_err(cuda_error)?;
+        }
         Ok(())
+    }
+
+    /// Counts the step on the device unless the gate's flag says it was skipped.
+    pub fn end_step(&mut self, gate: Gate<'_>) -> Result<()> {
+        let flag = match gate {
+            Gate::Host(_) => &self.factor,
+            Gate::Device(gate) => gate.scaler,
+        };
+        self.gpu.kernels.count_step(&self.gpu.stream, &mut self.steps, flag).map_err(cuda_error)
+    }
+
+    /// Steps applied so far: reads the device's counter, waiting for the queued steps.
+    pub fn applied_steps(&self) -> Result<u64> {
+        let steps = self.gpu.stream.clone_dtoh(&self.steps).map_err(cuda_error)?;
+        Ok(steps.first().map_or(0, |&n| u64::try_from(n).unwrap_or(0)))
     }
 
     /// Calls `launch` with `group`'s table (built from the current addresses, uploaded only when they
@@ -77,6 +121,7 @@ impl DeviceOptimizer {
         groups: &ParamGroups,
         grads: &GradStore,
         group: usize,
+        gate: Gate<'_>,
         launch: impl FnOnce(Launch<'_>) -> Result<()>,
     ) -> Result<()> {
         let Some(table) = self.table(groups, grads, group)? else { return Ok(()) };
@@ -84,7 +129,14 @@ impl DeviceOptimizer {
             Some(cached) if cached.describes(&table) => cached,
             _ => DeviceTable::upload(&self.gpu.stream, table).map_err(cuda_error)?,
         };
-        let inputs = OptimizerStep { steps: &self.steps, scaler: &self.factor, factor: GradFactor::InvScale };
+        let inputs = match gate {
+            Gate::Host(_) => {
+                OptimizerStep { steps: &self.steps, scaler: &self.factor, factor: GradFactor::InvScale }
+            }
+            Gate::Device(gate) => {
+                OptimizerStep { steps: &self.steps, scaler: gate.scaler, factor: gate.factor }
+            }
+        };
         launch((&self.gpu.kernels, &self.gpu.stream, &device_table, inputs))?;
         self.tables[group] = Some(device_table);
         Ok(())
