@@ -4,9 +4,10 @@
 use amp_kernels::optim::{adam_step, AdamParams, AdamTensor};
 use candle_core::backprop::GradStore;
 
+use super::core::Core;
 use super::driver::{self, select_mut};
 use super::params::ParamGroups;
-use super::state::{self, Buffers};
+use super::state::{Buffers, Checkpointed};
 use super::FusedOptimizer;
 use crate::error::Result;
 
@@ -56,15 +57,8 @@ impl AdamConfig {
 /// Fused multi-tensor Adam / AdamW over fp32 masters with fp32 state.
 #[derive(Debug)]
 pub struct FusedAdam {
-    groups: ParamGroups,
-    config: AdamConfig,
-    step: u64,
-    exp_avg: Buffers,
-    exp_avg_sq: Buffers,
-    max_exp_avg_sq: Buffers,
-    /// The moments on a CUDA device once a step ran there: then the truth, the host copies stale.
-    #[cfg(feature = "cuda")]
-    on_device: Option<crate::cuda::DeviceOptimizer>,
+    /// State: `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (used with AMSGrad only).
+    core: Core<AdamConfig, [Buffers; 3]>,
 }
 
 /// AdamW is [`FusedAdam`] with its default config.
@@ -74,74 +68,50 @@ impl FusedAdam {
     /// An optimizer over `groups` with zeroed moments.
     pub fn new(groups: ParamGroups, config: AdamConfig) -> Result<Self> {
         let params = &groups.params;
-        Ok(FusedAdam {
-            exp_avg: Buffers::zeros("exp_avg", params, true),
-            exp_avg_sq: Buffers::zeros("exp_avg_sq", params, true),
-            max_exp_avg_sq: Buffers::zeros("max_exp_avg_sq", params, config.amsgrad),
-            groups,
-            config,
-            step: 0,
-            #[cfg(feature = "cuda")]
-            on_device: None,
-        })
+        let state = [
+            Buffers::zeros("exp_avg", params, true),
+            Buffers::zeros("exp_avg_sq", params, true),
+            Buffers::zeros("max_exp_avg_sq", params, config.amsgrad),
+        ];
+        Ok(FusedAdam { core: Core::new(groups, config, state) })
     }
 
     /// The settings.
     pub fn config(&self) -> &AdamConfig {
-        &self.config
+        &self.core.config
     }
 
     /// Applied steps so far (bias correction uses it). On a CUDA device this reads the device's count,
     /// waiting for the queued steps.
     pub fn steps(&self) -> Result<u64> {
-        #[cfg(feature = "cuda")]
-        if let Some(on_device) = &self.on_device {
-            return on_device.applied_steps();
-        }
-        Ok(self.step)
+        self.core.applied_steps()
     }
 
-    /// One step on a CUDA device (the state moves there on the first).
+    /// One step on the CUDA device of the gradients (the state moves there on the first).
     #[cfg(feature = "cuda")]
-    fn device_step(
-        &mut self,
-        device: &candle_core::Device,
-        grads: &GradStore,
-        gate: crate::cuda::Gate<'_>,
-    ) -> Result<()> {
-        let params: Vec<AdamParams> = (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
-        let state =
-            [(&self.exp_avg, true), (&self.exp_avg_sq, true), (&self.max_exp_avg_sq, self.config.amsgrad)];
-        super::device::step(
-            &mut self.on_device,
-            device,
-            &self.groups,
-            &state,
-            grads,
-            gate,
-            self.step,
-            |group, (kernels, stream, table, inputs)| {
-                // SAFETY: the table holds live device buffers of the recorded types (gradients in
-                // `grads`, masters and copies in the parameters, state in `on_device`), all of which
-                // outlive the kernel, queued on candle's stream.
-                unsafe { kernels.adam(stream, table, inputs, &params[group]) }
-                    .map_err(crate::cuda::cuda_error)
-            },
-        )
+    fn device_step(&mut self, grads: &GradStore, gate: crate::cuda::Gate<'_>) -> Result<()> {
+        let params: Vec<AdamParams> =
+            (0..self.core.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
+        self.core.device_step(grads, gate, |group, (kernels, stream, table, inputs)| {
+            // SAFETY: the table holds live device buffers of the recorded types (gradients in `grads`,
+            // masters and copies in the parameters, state in `on_device`), all of which outlive the
+            // kernel, queued on candle's stream.
+            unsafe { kernels.adam(stream, table, inputs, &params[group]) }.map_err(crate::cuda::cuda_error)
+        })
     }
 
     fn kernel_params(&self, group: usize) -> AdamParams {
-        let options = self.groups.groups[group];
+        let (config, options) = (&self.core.config, self.core.groups.groups[group]);
         AdamParams {
-            lr: options.lr.unwrap_or(self.config.lr),
-            beta1: self.config.beta1,
-            beta2: self.config.beta2,
-            eps: self.config.eps,
-            weight_decay: options.weight_decay.unwrap_or(self.config.weight_decay),
-            decoupled_weight_decay: self.config.decoupled_weight_decay,
-            amsgrad: self.config.amsgrad,
-            bias_correction: self.config.bias_correction,
-            step: self.step,
+            lr: options.lr.unwrap_or(config.lr),
+            beta1: config.beta1,
+            beta2: config.beta2,
+            eps: config.eps,
+            weight_decay: options.weight_decay.unwrap_or(config.weight_decay),
+            decoupled_weight_decay: config.decoupled_weight_decay,
+            amsgrad: config.amsgrad,
+            bias_correction: config.bias_correction,
+            step: self.core.step,
         }
     }
 }
@@ -149,18 +119,17 @@ impl FusedAdam {
 impl FusedOptimizer for FusedAdam {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(device) = super::device::cuda_device(&self.groups, grads) {
-            self.device_step(&device, grads, crate::cuda::Gate::Host(inv_grad_scale))?;
-            self.step += 1;
-            return Ok(());
+        if self.core.on_cuda(grads) {
+            return self.device_step(grads, crate::cuda::Gate::Host(inv_grad_scale));
         }
-        self.step += 1;
-        for group in 0..self.groups.groups.len() {
+        self.core.step += 1;
+        for group in 0..self.core.groups.groups.len() {
             let params = self.kernel_params(group);
-            let present = driver::with_grads(&self.groups.params, Some(group), grads);
-            let (m, v, vmax) =
-                (&mut self.exp_avg.values, &mut self.exp_avg_sq.values, &mut self.max_exp_avg_sq.values);
-            driver::for_each_batch(&self.groups.params, &present, |indices, views| {
+            let core = &mut self.core;
+            let present = driver::with_grads(&core.groups.params, Some(group), grads);
+            let [m, v, vmax] = &mut core.state;
+            let (m, v, vmax) = (&mut m.values, &mut v.values, &mut vmax.values);
+            driver::for_each_batch(&core.groups.params, &present, |indices, views| {
                 let (m, v, vmax) =
                     (select_mut(m, indices), select_mut(v, indices), select_mut(vmax, indices));
                 let mut tensors: Vec<AdamTensor<'_>> = views
@@ -184,58 +153,35 @@ impl FusedOptimizer for FusedAdam {
 
     #[cfg(feature = "cuda")]
     fn step_gated(&mut self, grads: &GradStore, gate: &crate::cuda::DeviceGate<'_>) -> Result<()> {
-        let device = super::device::gated_device(&self.groups, grads)?;
-        self.device_step(&device, grads, crate::cuda::Gate::Device(*gate))
+        self.device_step(grads, crate::cuda::Gate::Device(*gate))
     }
 
     fn learning_rate(&self) -> f64 {
-        self.config.lr
+        self.core.config.lr
     }
 
     fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr;
+        self.core.config.lr = lr;
     }
 
     fn param_groups(&self) -> &ParamGroups {
-        &self.groups
+        &self.core.groups
     }
 
     fn state_bytes(&self) -> usize {
-        self.exp_avg.bytes() + self.exp_avg_sq.bytes() + self.max_exp_avg_sq.bytes()
+        self.core.state_bytes()
     }
 }
 
-impl state::Checkpointed for FusedAdam {
+impl Checkpointed for FusedAdam {
     type Config = AdamConfig;
+    type State = [Buffers; 3];
 
-    fn core(&self) -> (AdamConfig, u64, &ParamGroups) {
-        (self.config, self.step, &self.groups)
+    fn core(&self) -> &Core<AdamConfig, [Buffers; 3]> {
+        &self.core
     }
 
-    fn buffers(&self) -> Vec<&Buffers> {
-        vec![&self.exp_avg, &self.exp_avg_sq, &self.max_exp_avg_sq]
-    }
-
-    #[cfg(feature = "cuda")]
-    fn device_state(&self) -> Option<&crate::cuda::DeviceOptimizer> {
-        self.on_device.as_ref()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn forget_device_state(&mut self) {
-        self.on_device = None;
-    }
-
-    fn restore_core(
-        &mut self,
-        config: AdamConfig,
-        step: u64,
-        groups: Vec<super::GroupOptions>,
-    ) -> Vec<&mut Buffers> {
-        (self.config, self.step) = (config, step);
-        for (mine, saved) in self.groups.groups.iter_mut().zip(groups) {
-            *mine = saved;
-        }
-        vec![&mut self.exp_avg, &mut self.exp_avg_sq, &mut self.max_exp_avg_sq]
+    fn core_mut(&mut self) -> &mut Core<AdamConfig, [Buffers; 3]> {
+        &mut self.core
     }
 }

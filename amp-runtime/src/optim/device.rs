@@ -24,7 +24,7 @@ pub(crate) fn step(
     slot: &mut Option<DeviceOptimizer>,
     device: &Device,
     groups: &ParamGroups,
-    state: &[(&Buffers, bool)],
+    state: &[Buffers],
     grads: &GradStore,
     gate: Gate<'_>,
     applied: u64,
@@ -34,7 +34,7 @@ pub(crate) fn step(
         Some(on_device) => on_device,
         None => {
             let host: Vec<Option<&[Vec<f32>]>> =
-                state.iter().map(|(b, used)| used.then_some(&b.values[..])).collect();
+                state.iter().map(|b| b.used.then_some(&b.values[..])).collect();
             slot.insert(DeviceOptimizer::new(device, groups, &host, applied)?)
         }
     };
@@ -47,16 +47,9 @@ pub(crate) fn step(
     Ok(())
 }
 
-/// The device of the optimizer's gradients, which must be a CUDA device for a gated step.
-pub(crate) fn gated_device(groups: &ParamGroups, grads: &GradStore) -> Result<Device> {
-    cuda_device(groups, grads).ok_or_else(|| crate::Error::NotDeferrable {
-        what: "an optimizer whose gradients are not on the CUDA device of the loss".into(),
-    })
-}
-
 /// The buffers with the device's values where the state lives there, and the applied steps (for
 /// checkpoints).
-pub(crate) fn downloaded(on_device: &DeviceOptimizer, host: &[&Buffers]) -> Result<(Vec<Buffers>, u64)> {
+pub(crate) fn downloaded(on_device: &DeviceOptimizer, host: &[Buffers]) -> Result<(Vec<Buffers>, u64)> {
     let values = on_device.download()?;
     let buffers = host
         .iter()
@@ -64,6 +57,7 @@ pub(crate) fn downloaded(on_device: &DeviceOptimizer, host: &[&Buffers]) -> Resu
         .map(|(buffer, values)| Buffers {
             name: buffer.name,
             values: values.unwrap_or_else(|| buffer.values.clone()),
+            used: buffer.used,
         })
         .collect();
     Ok((buffers, on_device.applied_steps()?))

@@ -4,9 +4,10 @@
 use amp_kernels::optim::{lamb_step, LambParams, LambTensor, TensorNorms};
 use candle_core::backprop::GradStore;
 
+use super::core::Core;
 use super::driver::{self, select_mut};
 use super::params::ParamGroups;
-use super::state::{self, Buffers};
+use super::state::{Buffers, Checkpointed};
 use super::FusedOptimizer;
 use crate::error::Result;
 
@@ -52,30 +53,25 @@ impl Default for LambConfig {
 /// Fused multi-tensor LAMB over fp32 masters with fp32 state.
 #[derive(Debug)]
 pub struct FusedLamb {
-    groups: ParamGroups,
-    config: LambConfig,
-    step: u64,
-    exp_avg: Buffers,
-    exp_avg_sq: Buffers,
+    /// State: `exp_avg`, `exp_avg_sq`.
+    core: Core<LambConfig, [Buffers; 2]>,
     norms: Vec<TensorNorms>,
-    /// The moments on a CUDA device once a step ran there.
+    /// Per group, the device scratch space of the last step (per-block partial norms, trust ratios),
+    /// kept while it is large enough.
     #[cfg(feature = "cuda")]
-    on_device: Option<crate::cuda::DeviceOptimizer>,
+    scratch: Vec<Option<amp_kernels::cuda::LambBuffers>>,
 }
 
 impl FusedLamb {
     /// An optimizer over `groups` with zeroed moments.
     pub fn new(groups: ParamGroups, config: LambConfig) -> Result<Self> {
         let params = &groups.params;
+        let state = [Buffers::zeros("exp_avg", params, true), Buffers::zeros("exp_avg_sq", params, true)];
         Ok(FusedLamb {
-            exp_avg: Buffers::zeros("exp_avg", params, true),
-            exp_avg_sq: Buffers::zeros("exp_avg_sq", params, true),
-            norms: Vec::new(),
-            groups,
-            config,
-            step: 0,
             #[cfg(feature = "cuda")]
-            on_device: None,
+            scratch: (0..groups.groups.len()).map(|_| None).collect(),
+            core: Core::new(groups, config, state),
+            norms: Vec::new(),
         })
     }
 
@@ -85,48 +81,39 @@ impl FusedLamb {
         &self.norms
     }
 
-    /// One step on a CUDA device (the state moves there on the first).
+    /// One step on the CUDA device of the gradients (the state moves there on the first).
     #[cfg(feature = "cuda")]
-    fn device_step(
-        &mut self,
-        device: &candle_core::Device,
-        grads: &GradStore,
-        gate: crate::cuda::Gate<'_>,
-    ) -> Result<()> {
-        let params: Vec<LambParams> = (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
-        let state = [(&self.exp_avg, true), (&self.exp_avg_sq, true)];
-        super::device::step(
-            &mut self.on_device,
-            device,
-            &self.groups,
-            &state,
-            grads,
-            gate,
-            self.step,
-            |group, (kernels, stream, table, inputs)| {
-                let cuda_error = crate::cuda::cuda_error;
-                let mut scratch = amp_kernels::cuda::LambBuffers::new(stream, table).map_err(cuda_error)?;
-                // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives
-                // the kernels, queued on candle's stream; the scratch is sized for the table.
-                unsafe { kernels.lamb(stream, table, inputs, &params[group], &mut scratch) }
-                    .map_err(cuda_error)
-            },
-        )
+    fn device_step(&mut self, grads: &GradStore, gate: crate::cuda::Gate<'_>) -> Result<()> {
+        use amp_kernels::cuda::LambBuffers;
+        let params: Vec<LambParams> =
+            (0..self.core.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
+        let scratch = &mut self.scratch;
+        self.core.device_step(grads, gate, |group, (kernels, stream, table, inputs)| {
+            let cuda_error = crate::cuda::cuda_error;
+            let kept = scratch[group].take().filter(|s| s.fits(table));
+            let scratch = match kept {
+                Some(kept) => scratch[group].insert(kept),
+                None => scratch[group].insert(LambBuffers::new(stream, table).map_err(cuda_error)?),
+            };
+            // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives the
+            // kernels, queued on candle's stream; the scratch is large enough for the table.
+            unsafe { kernels.lamb(stream, table, inputs, &params[group], scratch) }.map_err(cuda_error)
+        })
     }
 
     fn kernel_params(&self, group: usize) -> LambParams {
-        let options = self.groups.groups[group];
+        let (config, options) = (&self.core.config, self.core.groups.groups[group]);
         LambParams {
-            lr: options.lr.unwrap_or(self.config.lr),
-            beta1: self.config.beta1,
-            beta2: self.config.beta2,
-            eps: self.config.eps,
-            weight_decay: options.weight_decay.unwrap_or(self.config.weight_decay),
-            decoupled_weight_decay: self.config.decoupled_weight_decay,
-            bias_correction: self.config.bias_correction,
-            grad_averaging: self.config.grad_averaging,
-            always_adapt: self.config.always_adapt,
-            step: self.step,
+            lr: options.lr.unwrap_or(config.lr),
+            beta1: config.beta1,
+            beta2: config.beta2,
+            eps: config.eps,
+            weight_decay: options.weight_decay.unwrap_or(config.weight_decay),
+            decoupled_weight_decay: config.decoupled_weight_decay,
+            bias_correction: config.bias_correction,
+            grad_averaging: config.grad_averaging,
+            always_adapt: config.always_adapt,
+            step: self.core.step,
         }
     }
 }
@@ -134,17 +121,17 @@ impl FusedLamb {
 impl FusedOptimizer for FusedLamb {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(device) = super::device::cuda_device(&self.groups, grads) {
-            self.device_step(&device, grads, crate::cuda::Gate::Host(inv_grad_scale))?;
-            self.step += 1;
-            return Ok(());
+        if self.core.on_cuda(grads) {
+            return self.device_step(grads, crate::cuda::Gate::Host(inv_grad_scale));
         }
-        self.step += 1;
-        for group in 0..self.groups.groups.len() {
+        self.core.step += 1;
+        for group in 0..self.core.groups.groups.len() {
             let params = self.kernel_params(group);
-            let present = driver::with_grads(&self.groups.params, Some(group), grads);
-            let (m, v, norms) = (&mut self.exp_avg.values, &mut self.exp_avg_sq.values, &mut self.norms);
-            driver::for_each_batch(&self.groups.params, &present, |indices, views| {
+            let core = &mut self.core;
+            let present = driver::with_grads(&core.groups.params, Some(group), grads);
+            let [m, v] = &mut core.state;
+            let (m, v, norms) = (&mut m.values, &mut v.values, &mut self.norms);
+            driver::for_each_batch(&core.groups.params, &present, |indices, views| {
                 let mut tensors: Vec<LambTensor<'_>> = views
                     .iter_mut()
                     .zip(select_mut(m, indices).into_iter().zip(select_mut(v, indices)))
@@ -166,58 +153,35 @@ impl FusedOptimizer for FusedLamb {
 
     #[cfg(feature = "cuda")]
     fn step_gated(&mut self, grads: &GradStore, gate: &crate::cuda::DeviceGate<'_>) -> Result<()> {
-        let device = super::device::gated_device(&self.groups, grads)?;
-        self.device_step(&device, grads, crate::cuda::Gate::Device(*gate))
+        self.device_step(grads, crate::cuda::Gate::Device(*gate))
     }
 
     fn learning_rate(&self) -> f64 {
-        self.config.lr
+        self.core.config.lr
     }
 
     fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr;
+        self.core.config.lr = lr;
     }
 
     fn param_groups(&self) -> &ParamGroups {
-        &self.groups
+        &self.core.groups
     }
 
     fn state_bytes(&self) -> usize {
-        self.exp_avg.bytes() + self.exp_avg_sq.bytes()
+        self.core.state_bytes()
     }
 }
 
-impl state::Checkpointed for FusedLamb {
+impl Checkpointed for FusedLamb {
     type Config = LambConfig;
+    type State = [Buffers; 2];
 
-    fn core(&self) -> (LambConfig, u64, &ParamGroups) {
-        (self.config, self.step, &self.groups)
+    fn core(&self) -> &Core<LambConfig, [Buffers; 2]> {
+        &self.core
     }
 
-    fn buffers(&self) -> Vec<&Buffers> {
-        vec![&self.exp_avg, &self.exp_avg_sq]
-    }
-
-    #[cfg(feature = "cuda")]
-    fn device_state(&self) -> Option<&crate::cuda::DeviceOptimizer> {
-        self.on_device.as_ref()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn forget_device_state(&mut self) {
-        self.on_device = None;
-    }
-
-    fn restore_core(
-        &mut self,
-        config: LambConfig,
-        step: u64,
-        groups: Vec<super::GroupOptions>,
-    ) -> Vec<&mut Buffers> {
-        (self.config, self.step) = (config, step);
-        for (mine, saved) in self.groups.groups.iter_mut().zip(groups) {
-            *mine = saved;
-        }
-        vec![&mut self.exp_avg, &mut self.exp_avg_sq]
+    fn core_mut(&mut self) -> &mut Core<LambConfig, [Buffers; 2]> {
+        &mut self.core
     }
 }

@@ -29,6 +29,7 @@
 //! ```
 
 mod adam;
+mod core;
 #[cfg(feature = "cuda")]
 mod device;
 mod driver;

@@ -4,9 +4,10 @@
 use amp_kernels::optim::{sgd_step, SgdParams, SgdTensor};
 use candle_core::backprop::GradStore;
 
+use super::core::Core;
 use super::driver::{self, select_mut};
 use super::params::ParamGroups;
-use super::state::{self, Buffers};
+use super::state::{Buffers, Checkpointed};
 use super::FusedOptimizer;
 use crate::error::{Error, Result};
 
@@ -34,13 +35,8 @@ impl Default for SgdConfig {
 /// Fused multi-tensor SGD over fp32 masters with fp32 momentum buffers.
 #[derive(Debug)]
 pub struct FusedSgd {
-    groups: ParamGroups,
-    config: SgdConfig,
-    step: u64,
-    momentum: Buffers,
-    /// The momentum buffers on a CUDA device once a step ran there.
-    #[cfg(feature = "cuda")]
-    on_device: Option<crate::cuda::DeviceOptimizer>,
+    /// State: `momentum_buffer` (used with momentum only).
+    core: Core<SgdConfig, [Buffers; 1]>,
 }
 
 impl FusedSgd {
@@ -51,51 +47,31 @@ impl FusedSgd {
                 reason: "Nesterov momentum needs momentum > 0 and dampening 0".into(),
             });
         }
-        Ok(FusedSgd {
-            momentum: Buffers::zeros("momentum_buffer", &groups.params, config.momentum != 0.0),
-            groups,
-            config,
-            step: 0,
-            #[cfg(feature = "cuda")]
-            on_device: None,
+        let state = [Buffers::zeros("momentum_buffer", &groups.params, config.momentum != 0.0)];
+        Ok(FusedSgd { core: Core::new(groups, config, state) })
+    }
+
+    /// One step on the CUDA device of the gradients (the state moves there on the first).
+    #[cfg(feature = "cuda")]
+    fn device_step(&mut self, grads: &GradStore, gate: crate::cuda::Gate<'_>) -> Result<()> {
+        let params: Vec<SgdParams> =
+            (0..self.core.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
+        self.core.device_step(grads, gate, |group, (kernels, stream, table, inputs)| {
+            // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives the
+            // kernel, queued on candle's stream.
+            unsafe { kernels.sgd(stream, table, inputs, &params[group]) }.map_err(crate::cuda::cuda_error)
         })
     }
 
-    /// One step on a CUDA device (the state moves there on the first).
-    #[cfg(feature = "cuda")]
-    fn device_step(
-        &mut self,
-        device: &candle_core::Device,
-        grads: &GradStore,
-        gate: crate::cuda::Gate<'_>,
-    ) -> Result<()> {
-        let params: Vec<SgdParams> = (0..self.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
-        let state = [(&self.momentum, self.config.momentum != 0.0)];
-        super::device::step(
-            &mut self.on_device,
-            device,
-            &self.groups,
-            &state,
-            grads,
-            gate,
-            self.step,
-            |group, (kernels, stream, table, inputs)| {
-                // SAFETY: as for FusedAdam: every address in the table is a live buffer that outlives
-                // the kernel, queued on candle's stream.
-                unsafe { kernels.sgd(stream, table, inputs, &params[group]) }.map_err(crate::cuda::cuda_error)
-            },
-        )
-    }
-
     fn kernel_params(&self, group: usize) -> SgdParams {
-        let options = self.groups.groups[group];
+        let (config, options) = (&self.core.config, self.core.groups.groups[group]);
         SgdParams {
-            lr: options.lr.unwrap_or(self.config.lr),
-            momentum: self.config.momentum,
-            dampening: self.config.dampening,
-            weight_decay: options.weight_decay.unwrap_or(self.config.weight_decay),
-            nesterov: self.config.nesterov,
-            first_step: self.step == 1,
+            lr: options.lr.unwrap_or(config.lr),
+            momentum: config.momentum,
+            dampening: config.dampening,
+            weight_decay: options.weight_decay.unwrap_or(config.weight_decay),
+            nesterov: config.nesterov,
+            first_step: self.core.step == 1,
         }
     }
 }
@@ -103,17 +79,17 @@ impl FusedSgd {
 impl FusedOptimizer for FusedSgd {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if let Some(device) = super::device::cuda_device(&self.groups, grads) {
-            self.device_step(&device, grads, crate::cuda::Gate::Host(inv_grad_scale))?;
-            self.step += 1;
-            return Ok(());
+        if self.core.on_cuda(grads) {
+            return self.device_step(grads, crate::cuda::Gate::Host(inv_grad_scale));
         }
-        self.step += 1;
-        for group in 0..self.groups.groups.len() {
+        self.core.step += 1;
+        for group in 0..self.core.groups.groups.len() {
             let params = self.kernel_params(group);
-            let present = driver::with_grads(&self.groups.params, Some(group), grads);
-            let buffers = &mut self.momentum.values;
-            driver::for_each_batch(&self.groups.params, &present, |indices, views| {
+            let core = &mut self.core;
+            let present = driver::with_grads(&core.groups.params, Some(group), grads);
+            let [momentum] = &mut core.state;
+            let buffers = &mut momentum.values;
+            driver::for_each_batch(&core.groups.params, &present, |indices, views| {
                 let mut tensors: Vec<SgdTensor<'_>> = views
                     .iter_mut()
                     .zip(select_mut(buffers, indices))
@@ -133,58 +109,35 @@ impl FusedOptimizer for FusedSgd {
 
     #[cfg(feature = "cuda")]
     fn step_gated(&mut self, grads: &GradStore, gate: &crate::cuda::DeviceGate<'_>) -> Result<()> {
-        let device = super::device::gated_device(&self.groups, grads)?;
-        self.device_step(&device, grads, crate::cuda::Gate::Device(*gate))
+        self.device_step(grads, crate::cuda::Gate::Device(*gate))
     }
 
     fn learning_rate(&self) -> f64 {
-        self.config.lr
+        self.core.config.lr
     }
 
     fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr;
+        self.core.config.lr = lr;
     }
 
     fn param_groups(&self) -> &ParamGroups {
-        &self.groups
+        &self.core.groups
     }
 
     fn state_bytes(&self) -> usize {
-        self.momentum.bytes()
+        self.core.state_bytes()
     }
 }
 
-impl state::Checkpointed for FusedSgd {
+impl Checkpointed for FusedSgd {
     type Config = SgdConfig;
+    type State = [Buffers; 1];
 
-    fn core(&self) -> (SgdConfig, u64, &ParamGroups) {
-        (self.config, self.step, &self.groups)
+    fn core(&self) -> &Core<SgdConfig, [Buffers; 1]> {
+        &self.core
     }
 
-    fn buffers(&self) -> Vec<&Buffers> {
-        vec![&self.momentum]
-    }
-
-    #[cfg(feature = "cuda")]
-    fn device_state(&self) -> Option<&crate::cuda::DeviceOptimizer> {
-        self.on_device.as_ref()
-    }
-
-    #[cfg(feature = "cuda")]
-    fn forget_device_state(&mut self) {
-        self.on_device = None;
-    }
-
-    fn restore_core(
-        &mut self,
-        config: SgdConfig,
-        step: u64,
-        groups: Vec<super::GroupOptions>,
-    ) -> Vec<&mut Buffers> {
-        (self.config, self.step) = (config, step);
-        for (mine, saved) in self.groups.groups.iter_mut().zip(groups) {
-            *mine = saved;
-        }
-        vec![&mut self.momentum]
+    fn core_mut(&mut self) -> &mut Core<SgdConfig, [Buffers; 1]> {
+        &mut self.core
     }
 }

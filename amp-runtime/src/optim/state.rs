@@ -4,7 +4,8 @@ use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
 
-use super::params::{GroupOptions, OptimParam, ParamGroups};
+use super::core::Core;
+use super::params::{GroupOptions, OptimParam};
 use crate::checkpoint::{SavedState, TrainingState};
 use crate::error::{Error, Result};
 
@@ -13,6 +14,8 @@ use crate::error::{Error, Result};
 pub(crate) struct Buffers {
     pub name: &'static str,
     pub values: Vec<Vec<f32>>,
+    /// False for a kind the settings do not use (its vectors are empty; the kernels get null pointers).
+    pub used: bool,
 }
 
 impl std::fmt::Debug for Buffers {
@@ -26,7 +29,7 @@ impl Buffers {
     pub(crate) fn zeros(name: &'static str, params: &[OptimParam], used: bool) -> Self {
         let values =
             params.iter().map(|p| if used { vec![0.0; p.elem_count()] } else { Vec::new() }).collect();
-        Buffers { name, values }
+        Buffers { name, values, used }
     }
 
     pub(crate) fn bytes(&self) -> usize {
@@ -38,11 +41,11 @@ impl Buffers {
 pub(crate) fn save<S: serde::Serialize>(
     settings: &S,
     params: &[OptimParam],
-    buffers: &[&Buffers],
+    buffers: &[Buffers],
 ) -> Result<SavedState> {
     let json = serde_json::to_string(settings).map_err(|e| Error::Internal { what: e.to_string() })?;
     let mut tensors = Vec::new();
-    for buffer in buffers {
+    for buffer in buffers.iter().filter(|b| b.used) {
         for (param, values) in params.iter().zip(&buffer.values) {
             if !values.is_empty() {
                 let tensor = Tensor::from_slice(values, values.len(), &Device::Cpu)?;
@@ -57,12 +60,12 @@ pub(crate) fn save<S: serde::Serialize>(
 pub(crate) fn check<S: serde::de::DeserializeOwned>(
     state: &SavedState,
     params: &[OptimParam],
-    buffers: &[&Buffers],
+    buffers: &[Buffers],
 ) -> Result<S> {
     let bad = |reason: String| Error::OptimizerState { reason };
     let settings = serde_json::from_str(&state.json).map_err(|e| bad(format!("unreadable settings: {e}")))?;
     let by_name: HashMap<&str, &Tensor> = state.tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    for buffer in buffers {
+    for buffer in buffers.iter().filter(|b| b.used) {
         for (param, values) in params.iter().zip(&buffer.values) {
             if values.is_empty() {
                 continue;
@@ -85,7 +88,7 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
 }
 
 /// Copies the saved buffers in (after [`check`] passed).
-pub(crate) fn restore(state: &SavedState, params: &[OptimParam], buffers: &mut [&mut Buffers]) -> Result<()> {
+pub(crate) fn restore(state: &SavedState, params: &[OptimParam], buffers: &mut [Buffers]) -> Result<()> {
     let by_name: HashMap<&str, &Tensor> = state.tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for buffer in buffers.iter_mut() {
         for (param, values) in params.iter().zip(buffer.values.iter_mut()) {
@@ -98,28 +101,14 @@ pub(crate) fn restore(state: &SavedState, params: &[OptimParam], buffers: &mut [
 }
 
 /// What a fused optimizer exposes so that one [`TrainingState`] implementation saves and restores all
-/// of them: settings, step count, group options, and the fp32 buffers.
+/// of them: its [`Core`] (settings, applied steps, parameter groups, fp32 buffers, device copy).
 pub(crate) trait Checkpointed {
     /// The optimizer's settings.
     type Config: Copy + serde::Serialize + serde::de::DeserializeOwned;
-    /// Settings, applied steps and parameter groups.
-    fn core(&self) -> (Self::Config, u64, &ParamGroups);
-    /// The state buffers, in a fixed order.
-    fn buffers(&self) -> Vec<&Buffers>;
-    /// The state on a CUDA device, when the optimizer keeps it there: then the truth, [`Self::buffers`]
-    /// stale.
-    #[cfg(feature = "cuda")]
-    fn device_state(&self) -> Option<&crate::cuda::DeviceOptimizer>;
-    /// Drops the device copy of the state (a restore replaced it; the next step uploads the new one).
-    #[cfg(feature = "cuda")]
-    fn forget_device_state(&mut self);
-    /// Installs restored settings and returns the buffers to fill, in the order of [`Self::buffers`].
-    fn restore_core(
-        &mut self,
-        config: Self::Config,
-        step: u64,
-        groups: Vec<GroupOptions>,
-    ) -> Vec<&mut Buffers>;
+    /// Its state buffers, in a fixed order.
+    type State: AsRef<[Buffers]> + AsMut<[Buffers]>;
+    fn core(&self) -> &Core<Self::Config, Self::State>;
+    fn core_mut(&mut self) -> &mut Core<Self::Config, Self::State>;
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -135,28 +124,34 @@ impl<T: Checkpointed> TrainingState for T {
     }
 
     fn save_state(&self) -> Result<SavedState> {
-        let (config, step, groups) = self.core();
-        let settings = Settings { config, step, groups: groups.groups.clone() };
+        let core = self.core();
+        let settings = Settings { config: core.config, step: core.step, groups: core.groups.groups.clone() };
         #[cfg(feature = "cuda")]
-        if let Some(on_device) = self.device_state() {
-            let (buffers, step) = super::device::downloaded(on_device, &self.buffers())?;
+        if let Some(on_device) = &core.on_device {
+            let (buffers, step) = super::device::downloaded(on_device, core.state.as_ref())?;
             let settings = Settings { step, ..settings };
-            return save(&settings, &groups.params, &buffers.iter().collect::<Vec<_>>());
+            return save(&settings, &core.groups.params, &buffers);
         }
-        save(&settings, &groups.params, &self.buffers())
+        save(&settings, &core.groups.params, core.state.as_ref())
     }
 
     fn check_state(&self, saved: &SavedState) -> Result<()> {
-        check::<Settings<T::Config>>(saved, &self.core().2.params, &self.buffers()).map(|_| ())
+        let core = self.core();
+        check::<Settings<T::Config>>(saved, &core.groups.params, core.state.as_ref()).map(|_| ())
     }
 
     fn restore_state(&mut self, saved: SavedState) -> Result<()> {
-        let settings: Settings<T::Config> = check(&saved, &self.core().2.params, &self.buffers())?;
-        let params = self.core().2.params.clone();
+        let core = self.core_mut();
+        let settings: Settings<T::Config> = check(&saved, &core.groups.params, core.state.as_ref())?;
+        (core.config, core.step) = (settings.config, settings.step);
+        for (mine, restored) in core.groups.groups.iter_mut().zip(settings.groups) {
+            *mine = restored;
+        }
         // The restored values are uploaded by the next step on the device.
         #[cfg(feature = "cuda")]
-        self.forget_device_state();
-        let mut buffers = self.restore_core(settings.config, settings.step, settings.groups);
-        restore(&saved, &params, &mut buffers)
+        {
+            core.on_device = None;
+        }
+        restore(&saved, &core.groups.params, core.state.as_mut())
     }
 }

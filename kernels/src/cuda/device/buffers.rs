@@ -169,6 +169,13 @@ impl LambBuffers {
         })
     }
 
+    /// Whether these buffers are large enough for `table` (so a later step can reuse them).
+    #[must_use]
+    pub fn fits(&self, table: &DeviceTable) -> bool {
+        let (blocks, tensors) = (table.host.blocks(), table.host.tensors());
+        self.partials.len() >= 2 * blocks && self.norms.len() >= 2 * tensors && self.ratios.len() >= tensors
+    }
+
     /// Per-tensor `(||p||, ||u||)` of the last step; waits for the stream.
     ///
     /// # Errors
