@@ -7,6 +7,7 @@
 //!   f32, f16 or bf16 gradients and optionally writing the f16 / bf16 working copy in the same pass.
 //! - [`clip`]: clipping by value, and the clip-by-norm coefficient.
 //! - [`convert`]: f32 <-> f16 / bf16 with `half`'s rounding, bit for bit.
+//! - [`scale`]: the dynamic loss scale's state machine (growth, backoff, hysteresis, floor, ceiling).
 //! - [`reference`](mod@reference): slow scalar versions of every kernel, the oracle of the tests.
 //! - [`cuda`]: the same kernels for NVIDIA GPUs, CUDA C++ compiled at run time with NVRTC (feature `cuda`),
 //!   plus the loss scale's state machine on the device.
@@ -52,6 +53,7 @@ pub mod optim;
 mod par;
 mod portable;
 pub mod reference;
+pub mod scale;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 mod slices;

@@ -56,6 +56,19 @@ impl ScalerConfig {
         ScalerConfig { init_scale: scale, dynamic: false, ..Self::default() }
     }
 
+    /// The rule the scale follows (amp-kernels' form, shared with the device's state machine).
+    pub fn rule(&self) -> amp_kernels::scale::ScaleRule {
+        amp_kernels::scale::ScaleRule {
+            dynamic: self.dynamic,
+            growth_factor: self.growth_factor,
+            backoff_factor: self.backoff_factor,
+            growth_interval: self.growth_interval,
+            hysteresis: self.hysteresis,
+            min_scale: self.min_scale,
+            max_scale: self.max_scale,
+        }
+    }
+
     /// Checks the settings, saying which is wrong.
     pub fn validate(&self) -> crate::Result<()> {
         let bad = |what: &str| Err(crate::Error::InvalidScalerConfig { reason: what.to_string() });

@@ -1,5 +1,7 @@
 //! The scale's state machine, separate from tensors so it can be tested exhaustively.
 
+use amp_kernels::scale::ScaleTrack;
+
 use super::config::{AtScaleFloor, ScalerConfig};
 
 /// Everything that evolves as steps are taken. Saved and loaded with checkpoints.
@@ -19,20 +21,7 @@ pub struct ScaleState {
     pub applied: u64,
 }
 
-/// How one update moved the scale.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScaleChange {
-    /// Unchanged.
-    Kept,
-    /// Multiplied by the growth factor.
-    Grew,
-    /// Multiplied by the backoff factor.
-    BackedOff,
-    /// An overflow absorbed by hysteresis.
-    Tolerated,
-    /// An overflow at the floor (the scale cannot go lower).
-    AtFloor,
-}
+pub use amp_kernels::scale::ScaleChange;
 
 impl ScaleState {
     /// The state before the first step.
@@ -55,34 +44,12 @@ impl ScaleState {
         } else {
             self.applied += 1;
         }
-        if !config.dynamic {
-            return ScaleChange::Kept;
-        }
-        if overflow {
-            self.growth_tracker = 0;
-            if self.hysteresis_left > 1 {
-                self.hysteresis_left -= 1;
-                return ScaleChange::Tolerated;
-            }
-            if self.scale <= config.min_scale {
-                return ScaleChange::AtFloor;
-            }
-            self.scale = (self.scale * config.backoff_factor).max(config.min_scale);
-            return ScaleChange::BackedOff;
-        }
-        self.growth_tracker += 1;
-        if self.growth_tracker < config.growth_interval {
-            return ScaleChange::Kept;
-        }
-        self.growth_tracker = 0;
-        let grown = self.scale * config.growth_factor;
-        // PyTorch skips growth that would not be finite in f32; we also stop at max_scale.
-        if !grown.is_finite() || self.scale >= config.max_scale {
-            return ScaleChange::Kept;
-        }
-        self.scale = grown.min(config.max_scale);
-        self.hysteresis_left = config.hysteresis;
-        ScaleChange::Grew
+        let track = ScaleTrack {
+            scale: &mut self.scale,
+            growth_tracker: &mut self.growth_tracker,
+            hysteresis_left: &mut self.hysteresis_left,
+        };
+        track.step(overflow, &config.rule())
     }
 
     /// True when the floor policy says training must stop after this change.

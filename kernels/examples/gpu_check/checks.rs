@@ -4,9 +4,10 @@ use std::sync::Arc;
 
 use amp_kernels::cuda::{
     CudaError, CudaKernels, DeviceScaler, DeviceTable, GradFactor, LambBuffers, NormBuffers, OptimizerStep,
-    ScaleChange, ScaleConfig, ScaleState, TensorKind,
+    ScaleChange, ScaleState, TensorKind,
 };
 use amp_kernels::optim::{AdamParams, AdamTensor, LambParams, LambTensor, SgdParams, SgdTensor, TensorNorms};
+use amp_kernels::scale::{ScaleRule, ScaleTrack};
 use amp_kernels::{reference, GradSliceMut};
 use cudarc::driver::{CudaSlice, CudaStream};
 
@@ -387,7 +388,7 @@ fn skipped_step(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row> 
     // SAFETY: as in `adam`.
     unsafe { kernels.adam(stream, &table, inputs, &AdamParams::default())? };
     kernels.count_step(stream, &mut steps, &scaler)?;
-    let config = ScaleConfig {
+    let config = ScaleRule {
         dynamic: true,
         growth_factor: 2.0,
         backoff_factor: 0.5,
@@ -414,7 +415,7 @@ fn skipped_step(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row> 
 
 /// The scale's state machine on the device against a host copy of amp-runtime's `ScaleState::update`.
 fn scale_machine(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row> {
-    let config = ScaleConfig {
+    let config = ScaleRule {
         dynamic: true,
         growth_factor: 2.0,
         backoff_factor: 0.5,
@@ -445,45 +446,23 @@ fn scale_machine(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row>
     })
 }
 
-/// amp-runtime's `ScaleState::update`, on the kernels' state type.
-fn host_update(s: &mut ScaleState, overflow: bool, c: &ScaleConfig) {
+/// amp-runtime's `ScaleState::update` (amp-kernels' state machine) plus the device's report fields, on
+/// the kernels' state type.
+fn host_update(s: &mut ScaleState, overflow: bool, rule: &ScaleRule) {
     s.steps += 1;
     if overflow {
         s.skipped += 1;
+        s.last_bad_tensor = Some(0);
     } else {
         s.applied += 1;
     }
-    if overflow {
-        s.last_bad_tensor = Some(0);
-    }
     s.bad_tensor = None;
-    s.last_change = if overflow {
-        s.growth_tracker = 0;
-        if s.hysteresis_left > 1 {
-            s.hysteresis_left -= 1;
-            ScaleChange::Tolerated
-        } else if s.scale <= c.min_scale {
-            ScaleChange::AtFloor
-        } else {
-            s.scale = (s.scale * c.backoff_factor).max(c.min_scale);
-            ScaleChange::BackedOff
-        }
-    } else {
-        s.growth_tracker += 1;
-        if s.growth_tracker < c.growth_interval {
-            ScaleChange::Kept
-        } else {
-            s.growth_tracker = 0;
-            let grown = s.scale * c.growth_factor;
-            if !grown.is_finite() || s.scale >= c.max_scale {
-                ScaleChange::Kept
-            } else {
-                s.scale = grown.min(c.max_scale);
-                s.hysteresis_left = c.hysteresis;
-                ScaleChange::Grew
-            }
-        }
+    let track = ScaleTrack {
+        scale: &mut s.scale,
+        growth_tracker: &mut s.growth_tracker,
+        hysteresis_left: &mut s.hysteresis_left,
     };
+    s.last_change = track.step(overflow, rule);
     s.floor_hits += u32::from(s.last_change == ScaleChange::AtFloor);
     s.inv_scale = 1.0 / s.scale;
 }

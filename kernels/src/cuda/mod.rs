@@ -33,5 +33,5 @@ mod device;
 #[cfg(feature = "cuda")]
 pub use device::{
     device_available, CudaError, CudaKernels, DeviceScaler, DeviceTable, GradFactor, LambBuffers,
-    NormBuffers, OptimizerStep, ScaleConfig,
+    NormBuffers, OptimizerStep,
 };

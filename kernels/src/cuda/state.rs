@@ -2,24 +2,10 @@
 //! kernels can be handed pointers to single fields (the inverse scale, the overflow flag).
 
 use super::NO_BAD_TENSOR;
+pub use crate::scale::ScaleChange;
 
 /// Size of the device state in 32-bit words.
 pub const STATE_WORDS: usize = 14;
-
-/// How the last update moved the scale (`AMP_KEPT` ... `AMP_AT_FLOOR` in `scale.cu`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScaleChange {
-    /// Unchanged.
-    Kept,
-    /// Multiplied by the growth factor.
-    Grew,
-    /// Multiplied by the backoff factor.
-    BackedOff,
-    /// An overflow absorbed by hysteresis.
-    Tolerated,
-    /// An overflow at the minimum scale.
-    AtFloor,
-}
 
 /// The device-resident scaler state, decoded on the host.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -5,7 +5,9 @@ use amp_kernels::cuda::{ScaleChange, ScaleState, NO_BAD_TENSOR, STATE_WORDS};
 
 use crate::common::Rng;
 use crate::harness::{emulator, Emulator};
-use crate::host_scale::{HostScale, ScaleConfig};
+use amp_kernels::scale::ScaleRule;
+
+use crate::host_scale::HostScale;
 use crate::launch::Shared;
 
 /// Threads of the one-thread kernels' launches (only thread 0 of block 0 may act).
@@ -39,7 +41,7 @@ fn mark_skipped(emu: &Emulator, bad: &mut i32, reason: i32) {
 #[repr(C, align(8))]
 struct DeviceState([u32; STATE_WORDS]);
 
-fn scale_update(emu: &Emulator, state: &mut DeviceState, c: &ScaleConfig) {
+fn scale_update(emu: &Emulator, state: &mut DeviceState, c: &ScaleRule) {
     type Kernel = unsafe extern "C" fn(*mut DeviceState, i32, f32, f32, u32, u32, f32, f32);
     let m = emu.module("scale");
     // SAFETY: amp_scale_update's signature in scale.cu (DeviceState is amp_scale_state's layout).
@@ -84,7 +86,7 @@ fn count_step_and_mark_skipped() {
 #[test]
 fn scale_update_matches_the_state_machine() {
     let Some(emu) = emulator() else { return };
-    let dynamic = ScaleConfig {
+    let dynamic = ScaleRule {
         dynamic: true,
         growth_factor: 2.0,
         backoff_factor: 0.5,
@@ -93,14 +95,14 @@ fn scale_update_matches_the_state_machine() {
         min_scale: 4096.0,
         max_scale: 1_048_576.0,
     };
-    let fixed = ScaleConfig { dynamic: false, ..dynamic };
+    let fixed = ScaleRule { dynamic: false, ..dynamic };
     let mut seen = Vec::new();
     for (seed, p_overflow, config, init, steps) in [
         (10, 0.15, dynamic, 65536.0, 60),
         (11, 0.45, dynamic, 65536.0, 60),
         (12, 0.8, dynamic, 8192.0, 40),
         // Not a power of two: the ceiling is reached by min(grown, max), then growth stops there.
-        (13, 0.05, ScaleConfig { max_scale: 1e6, ..dynamic }, 300_000.0, 20),
+        (13, 0.05, ScaleRule { max_scale: 1e6, ..dynamic }, 300_000.0, 20),
         (14, 0.4, fixed, 65536.0, 20),
     ] {
         let mut rng = Rng(seed);

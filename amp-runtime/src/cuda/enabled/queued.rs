@@ -3,8 +3,9 @@
 //! host waits for nothing until it reads the state ([`QueuedScaler::read`]).
 
 use amp_kernels::cuda::{
-    DeviceScaler, DeviceTable, GradFactor, LaunchTable, NormBuffers, ScaleConfig, TensorKind, CHUNK_ELEMENTS,
+    DeviceScaler, DeviceTable, GradFactor, LaunchTable, NormBuffers, TensorKind, CHUNK_ELEMENTS,
 };
+use amp_kernels::scale::ScaleRule;
 use amp_kernels::Dtype;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Device, Storage, Tensor};
@@ -185,15 +186,7 @@ impl QueuedScaler {
     /// Records the queued step on the device and moves the scale there (`dynamic`: a dynamic, enabled
     /// scaler).
     pub fn update(&mut self, config: &ScalerConfig, dynamic: bool) -> Result<()> {
-        let config = ScaleConfig {
-            dynamic,
-            growth_factor: config.growth_factor,
-            backoff_factor: config.backoff_factor,
-            growth_interval: config.growth_interval,
-            hysteresis: config.hysteresis,
-            min_scale: config.min_scale,
-            max_scale: config.max_scale,
-        };
+        let config = ScaleRule { dynamic, ..config.rule() };
         self.gpu.kernels.scale_update(&self.gpu.stream, &mut self.scaler, &config).map_err(cuda_error)?;
         self.queued += 1;
         Ok(())

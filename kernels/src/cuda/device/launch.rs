@@ -10,25 +10,7 @@ use super::buffers::{DeviceScaler, DeviceTable, GradFactor, LambBuffers, NormBuf
 use super::{CudaError, CudaKernels};
 use crate::cuda::BLOCK_THREADS;
 use crate::optim::{AdamParams, LambParams, SgdParams};
-
-/// The dynamic loss scale's settings, as `amp_scale_update` takes them.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ScaleConfig {
-    /// `false`: a static scale (steps are still counted and skipped).
-    pub dynamic: bool,
-    /// Multiplier after `growth_interval` finite steps.
-    pub growth_factor: f32,
-    /// Multiplier on an overflow that hysteresis does not absorb.
-    pub backoff_factor: f32,
-    /// Finite steps between growths.
-    pub growth_interval: u32,
-    /// Overflows tolerated before a backoff (1: back off at once).
-    pub hysteresis: u32,
-    /// The floor.
-    pub min_scale: f32,
-    /// The ceiling.
-    pub max_scale: f32,
-}
+use crate::scale::ScaleRule;
 
 /// What every optimizer launch reads besides its table and hyper-parameters.
 #[derive(Clone, Copy, Debug)]
@@ -337,7 +319,7 @@ impl CudaKernels {
         &self,
         stream: &Arc<CudaStream>,
         scaler: &mut DeviceScaler,
-        config: &ScaleConfig,
+        config: &ScaleRule,
     ) -> Result<(), CudaError> {
         let dynamic = i32::from(config.dynamic);
         let mut b = stream.launch_builder(self.function("amp_scale_update")?);

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use cudarc::driver::{CudaContext, CudaFunction};
 
 pub use buffers::{DeviceScaler, DeviceTable, GradFactor, LambBuffers, NormBuffers};
-pub use launch::{OptimizerStep, ScaleConfig};
+pub use launch::OptimizerStep;
 
 use super::{compile, Arch, CompileError, TableError, FAMILIES};
 
