@@ -4,14 +4,15 @@
 
 use std::collections::HashMap;
 
-use amp::nn::{
-    embedding, layer_norm, linear, multi_head_attention, Embedding, LayerNorm, Linear, MultiHeadAttention,
-};
+#[path = "../examples/train/gpt.rs"]
+mod gpt;
+
 use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
 use amp::scaler::ScalerConfig;
-use amp::{AmpConfig, AmpModule, GradScaler, OptLevel, Precision};
-use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{VarBuilder, VarMap};
+use amp::{AmpConfig, GradScaler, OptLevel, Precision};
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::VarBuilder;
+use gpt::{Gpt, GptShape};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -22,55 +23,8 @@ const BATCH: usize = 16;
 const STEPS: usize = 150;
 const TAIL: usize = 15;
 
-#[derive(AmpModule)]
-struct Block {
-    #[amp(fp32)]
-    ln1: LayerNorm,
-    attn: MultiHeadAttention,
-    #[amp(fp32)]
-    ln2: LayerNorm,
-    up: Linear,
-    down: Linear,
-}
-
-#[derive(AmpModule)]
-struct Gpt {
-    tokens: Embedding,
-    positions: Embedding,
-    block: Block,
-    #[amp(fp32)]
-    ln_f: LayerNorm,
-    head: Linear,
-}
-
-impl Gpt {
-    fn new(vb: VarBuilder<'_>) -> candle_core::Result<Self> {
-        let b = vb.pp("block");
-        Ok(Gpt {
-            tokens: embedding(VOCAB, EMBED, vb.pp("tokens"))?,
-            positions: embedding(SEQ, EMBED, vb.pp("positions"))?,
-            block: Block {
-                ln1: layer_norm(EMBED, 1e-5, b.pp("ln1"))?,
-                attn: multi_head_attention(EMBED, 2, b.pp("attn"))?.with_causal(true),
-                ln2: layer_norm(EMBED, 1e-5, b.pp("ln2"))?,
-                up: linear(EMBED, 4 * EMBED, b.pp("up"))?,
-                down: linear(4 * EMBED, EMBED, b.pp("down"))?,
-            },
-            ln_f: layer_norm(EMBED, 1e-5, vb.pp("ln_f"))?,
-            head: linear(EMBED, VOCAB, vb.pp("head"))?,
-        })
-    }
-
-    fn loss(&self, ids: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-        let positions = Tensor::arange(0u32, SEQ as u32, ids.device())?;
-        let x = self.tokens.forward(ids)?.broadcast_add(&self.positions.forward(&positions)?)?;
-        let b = &self.block;
-        let x = (&x + b.attn.forward(&b.ln1.forward(&x)?)?)?;
-        let x = (&x + b.down.forward(&b.up.forward(&b.ln2.forward(&x)?)?.gelu()?)?)?;
-        let logits = self.head.forward(&self.ln_f.forward(&x)?)?.reshape(((), VOCAB))?;
-        amp::ops::loss::cross_entropy(&logits, targets)
-    }
-}
+/// One block, two heads: the main job's model, smaller.
+const SHAPE: GptShape = GptShape { vocab: VOCAB, embed: EMBED, heads: 2, layers: 1, seq: SEQ };
 
 /// Transition rows with two likely successors per token (plus a little mass everywhere), and the
 /// entropy rate of the chain, from its stationary distribution.
@@ -134,7 +88,7 @@ fn train(
     config: AmpConfig,
     data: &[(Tensor, Tensor)],
 ) -> amp::Result<(f32, u64)> {
-    let mut model = Gpt::new(VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu))?;
+    let mut model = Gpt::new(SHAPE, VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu))?;
     amp::initialize(&mut model, config)?;
     let adam = AdamConfig { lr: 1e-2, weight_decay: 0.01, ..AdamConfig::default() };
     let mut optimizer = FusedAdamW::new(ParamGroups::from_model(&model)?, adam)?;
@@ -142,7 +96,7 @@ fn train(
     assert_eq!(scaler.is_enabled(), config.opt_level != OptLevel::O0 && config.half == Precision::Fp16);
     let mut losses = Vec::new();
     for (ids, targets) in data {
-        let loss = model.loss(ids, targets)?;
+        let loss = amp::ops::loss::cross_entropy(&model.logits(ids)?, targets)?;
         scaler.step_fused(&loss, &mut optimizer, Some(1.0))?;
         losses.push(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
     }
@@ -152,15 +106,7 @@ fn train(
 #[test]
 fn bf16_and_fp16_land_where_fp32_does() -> amp::Result<()> {
     let (rows, floor) = markov(7);
-    let varmap = VarMap::new();
-    Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
-    let weights: HashMap<String, Tensor> = varmap
-        .data()
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("poisoned".into()))?
-        .iter()
-        .map(|(name, var)| (name.clone(), var.as_tensor().copy().expect("copy")))
-        .collect();
+    let weights = Gpt::initial_weights(SHAPE, &Device::Cpu)?;
     let data = batches(&rows, 1)?;
     let fp32 = AmpConfig { opt_level: OptLevel::O0, half: Precision::Bf16 };
     let (reference, _) = train(&weights, fp32, &data)?;

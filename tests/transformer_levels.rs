@@ -4,86 +4,21 @@
 
 use std::collections::HashMap;
 
-use amp::nn::{
-    embedding, layer_norm, linear, multi_head_attention, Embedding, LayerNorm, Linear, MultiHeadAttention,
-};
+#[path = "../examples/train/gpt.rs"]
+mod gpt;
+
 use amp::optim::{AdamConfig, FusedAdam, FusedOptimizer, ParamGroups};
-use amp::{AmpConfig, AmpModule, AmpModuleExt, OptLevel, Precision};
-use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{Optimizer, VarBuilder, VarMap};
+use amp::{AmpConfig, AmpModuleExt, OptLevel, Precision};
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::{Optimizer, VarBuilder};
+use gpt::{Gpt, GptShape};
 
 const VOCAB: usize = 16;
 const EMBED: usize = 32;
 const SEQ: usize = 8;
 const BATCH: usize = 16;
 
-#[derive(AmpModule)]
-struct Mlp {
-    up: Linear,
-    down: Linear,
-}
-
-#[derive(AmpModule)]
-struct Block {
-    #[amp(fp32)]
-    ln1: LayerNorm,
-    attn: MultiHeadAttention,
-    #[amp(fp32)]
-    ln2: LayerNorm,
-    mlp: Mlp,
-}
-
-#[derive(AmpModule)]
-struct Gpt {
-    tokens: Embedding,
-    positions: Embedding,
-    blocks: Vec<Block>,
-    #[amp(fp32)]
-    ln_f: LayerNorm,
-    head: Linear,
-}
-
-impl Block {
-    fn new(vb: VarBuilder<'_>) -> candle_core::Result<Self> {
-        Ok(Block {
-            ln1: layer_norm(EMBED, 1e-5, vb.pp("ln1"))?,
-            attn: multi_head_attention(EMBED, 4, vb.pp("attn"))?.with_causal(true),
-            ln2: layer_norm(EMBED, 1e-5, vb.pp("ln2"))?,
-            mlp: Mlp {
-                up: linear(EMBED, 4 * EMBED, vb.pp("mlp.up"))?,
-                down: linear(4 * EMBED, EMBED, vb.pp("mlp.down"))?,
-            },
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
-        let hidden = self.mlp.up.forward(&self.ln2.forward(&x)?)?.gelu()?;
-        x + self.mlp.down.forward(&hidden)?
-    }
-}
-
-impl Gpt {
-    fn new(vb: VarBuilder<'_>) -> candle_core::Result<Self> {
-        Ok(Gpt {
-            tokens: embedding(VOCAB, EMBED, vb.pp("tokens"))?,
-            positions: embedding(SEQ, EMBED, vb.pp("positions"))?,
-            blocks: (0..2).map(|i| Block::new(vb.pp(format!("blocks.{i}")))).collect::<Result<_, _>>()?,
-            ln_f: layer_norm(EMBED, 1e-5, vb.pp("ln_f"))?,
-            head: linear(EMBED, VOCAB, vb.pp("head"))?,
-        })
-    }
-
-    fn loss(&self, ids: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-        let positions = Tensor::arange(0u32, SEQ as u32, ids.device())?;
-        let mut x = self.tokens.forward(ids)?.broadcast_add(&self.positions.forward(&positions)?)?;
-        for block in &self.blocks {
-            x = block.forward(&x)?;
-        }
-        let logits = self.head.forward(&self.ln_f.forward(&x)?)?;
-        amp::ops::loss::cross_entropy(&logits.reshape((BATCH * SEQ, VOCAB))?, &targets.flatten_all()?)
-    }
-}
+const SHAPE: GptShape = GptShape { vocab: VOCAB, embed: EMBED, heads: 4, layers: 2, seq: SEQ };
 
 /// Sequences counting up by a per-sequence stride modulo the vocabulary; the target is the next token.
 fn batch() -> candle_core::Result<(Tensor, Tensor)> {
@@ -94,7 +29,7 @@ fn batch() -> candle_core::Result<(Tensor, Tensor)> {
 }
 
 fn train(weights: &HashMap<String, Tensor>, config: AmpConfig) -> amp::Result<(f32, f32)> {
-    let mut model = Gpt::new(VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu))?;
+    let mut model = Gpt::new(SHAPE, VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu))?;
     amp::initialize(&mut model, config)?;
     let (ids, targets) = batch()?;
     let adam = AdamConfig { lr: 3e-3, weight_decay: 0.0, ..AdamConfig::default() };
@@ -107,7 +42,7 @@ fn train(weights: &HashMap<String, Tensor>, config: AmpConfig) -> amp::Result<(f
     let mut pure_half = candle_nn::AdamW::new(model.trainable_vars(), params)?;
     let mut losses = Vec::new();
     for _ in 0..80 {
-        let loss = model.loss(&ids, &targets)?;
+        let loss = amp::ops::loss::cross_entropy(&model.logits(&ids)?, &targets.flatten_all()?)?;
         losses.push(loss.to_scalar::<f32>()?);
         let grads = loss.backward()?;
         match fused.as_mut() {
@@ -120,15 +55,7 @@ fn train(weights: &HashMap<String, Tensor>, config: AmpConfig) -> amp::Result<(f
 
 #[test]
 fn a_small_transformer_trains_under_every_level() -> amp::Result<()> {
-    let varmap = VarMap::new();
-    Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
-    let weights: HashMap<String, Tensor> = varmap
-        .data()
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("poisoned".into()))?
-        .iter()
-        .map(|(name, var)| (name.clone(), var.as_tensor().copy().expect("copy")))
-        .collect();
+    let weights = Gpt::initial_weights(SHAPE, &Device::Cpu)?;
     let mut finals = Vec::new();
     for opt_level in OptLevel::ALL {
         let (first, last) = train(&weights, AmpConfig { opt_level, half: Precision::Bf16 })?;

@@ -17,20 +17,19 @@
 //! `cargo run --release --example train -- --precision fp32,fp16 --opt-level O1 --steps 200 --out out/`.
 //! `--help` lists every flag.
 
+mod gpt;
 mod plot;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use amp::nn::{
-    embedding, layer_norm, linear, multi_head_attention, Embedding, LayerNorm, Linear, MultiHeadAttention,
-};
 use amp::optim::{AdamConfig, FusedAdamW, FusedOptimizer, ParamGroups};
 use amp::scaler::ScalerConfig;
-use amp::{AmpConfig, AmpModule, AmpModuleExt, GradScaler, OptLevel, Precision};
-use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{VarBuilder, VarMap};
+use amp::{AmpConfig, AmpModuleExt, GradScaler, OptLevel, Precision};
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::VarBuilder;
+use gpt::{Gpt, GptShape};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -45,76 +44,8 @@ const EVAL_SEQS: usize = 64;
 const LR: f64 = 1e-2;
 const SEED: u64 = 2026;
 
-#[derive(AmpModule)]
-struct Mlp {
-    up: Linear,
-    down: Linear,
-}
-
-/// Pre-norm block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`; the norms stay fp32.
-#[derive(AmpModule)]
-struct Block {
-    #[amp(fp32)]
-    ln1: LayerNorm,
-    attn: MultiHeadAttention,
-    #[amp(fp32)]
-    ln2: LayerNorm,
-    mlp: Mlp,
-}
-
-#[derive(AmpModule)]
-struct Gpt {
-    tokens: Embedding,
-    positions: Embedding,
-    blocks: Vec<Block>,
-    #[amp(fp32)]
-    ln_f: LayerNorm,
-    head: Linear,
-}
-
-impl Block {
-    fn new(vb: VarBuilder<'_>) -> candle_core::Result<Self> {
-        Ok(Block {
-            ln1: layer_norm(EMBED, 1e-5, vb.pp("ln1"))?,
-            attn: multi_head_attention(EMBED, HEADS, vb.pp("attn"))?.with_causal(true),
-            ln2: layer_norm(EMBED, 1e-5, vb.pp("ln2"))?,
-            mlp: Mlp {
-                up: linear(EMBED, 4 * EMBED, vb.pp("mlp.up"))?,
-                down: linear(4 * EMBED, EMBED, vb.pp("mlp.down"))?,
-            },
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
-        let hidden = self.mlp.up.forward(&self.ln2.forward(&x)?)?.gelu()?;
-        x + self.mlp.down.forward(&hidden)?
-    }
-}
-
-impl Gpt {
-    fn new(vb: VarBuilder<'_>) -> candle_core::Result<Self> {
-        Ok(Gpt {
-            tokens: embedding(VOCAB, EMBED, vb.pp("tokens"))?,
-            positions: embedding(SEQ, EMBED, vb.pp("positions"))?,
-            blocks: (0..LAYERS)
-                .map(|i| Block::new(vb.pp(format!("blocks.{i}"))))
-                .collect::<Result<_, _>>()?,
-            ln_f: layer_norm(EMBED, 1e-5, vb.pp("ln_f"))?,
-            head: linear(EMBED, VOCAB, vb.pp("head"))?,
-        })
-    }
-
-    /// Logits `(batch * SEQ, VOCAB)` for ids `(batch, SEQ)`.
-    fn logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let positions = Tensor::arange(0u32, SEQ as u32, ids.device())?;
-        let mut x = self.tokens.forward(ids)?.broadcast_add(&self.positions.forward(&positions)?)?;
-        for block in &self.blocks {
-            x = block.forward(&x)?;
-        }
-        self.head.forward(&self.ln_f.forward(&x)?)?.reshape(((), VOCAB))
-    }
-}
+/// The model the runs train.
+const SHAPE: GptShape = GptShape { vocab: VOCAB, embed: EMBED, heads: HEADS, layers: LAYERS, seq: SEQ };
 
 /// A first-order Markov source: each token has `SUCCESSORS` likely successors, plus a little mass on
 /// every token so that the chain is irreducible and aperiodic (a unique stationary distribution).
@@ -307,7 +238,7 @@ struct Trainer {
 
 impl Trainer {
     fn new(name: String, weights: &HashMap<String, Tensor>, config: AmpConfig) -> amp::Result<Self> {
-        let mut model = Gpt::new(VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu))?;
+        let mut model = Gpt::new(SHAPE, VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu))?;
         amp::initialize(&mut model, config)?;
         let adam = AdamConfig { lr: LR, weight_decay: 0.01, ..AdamConfig::default() };
         let optimizer = FusedAdamW::new(ParamGroups::from_model(&model)?, adam)?;
@@ -409,16 +340,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let oracle = oracle as f64 / eval_targets.len() as f64;
 
     // One set of initial weights, copied into every run.
-    let varmap = VarMap::new();
-    Gpt::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
-    let weights: HashMap<String, Tensor> = {
-        let data = varmap.data().lock().map_err(|_| "poisoned var map")?;
-        data.iter()
-            .map(|(k, v)| Ok((k.clone(), v.as_tensor().copy()?)))
-            .collect::<candle_core::Result<_>>()?
-    };
+    let weights = Gpt::initial_weights(SHAPE, &device)?;
     if let Some(half) = args.runs.iter().find(|p| **p != Precision::Fp32) {
-        let mut model = Gpt::new(VarBuilder::from_tensors(weights.clone(), DType::F32, &device))?;
+        let mut model = Gpt::new(SHAPE, VarBuilder::from_tensors(weights.clone(), DType::F32, &device))?;
         amp::initialize(&mut model, config_for(*half, args.opt_level))?;
         println!(
             "\nprecision plan of the {} run:\n{}\n",
