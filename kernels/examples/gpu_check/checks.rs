@@ -4,10 +4,10 @@ use std::sync::Arc;
 
 use amp_kernels::cuda::{
     CudaError, CudaKernels, DeviceScaler, DeviceTable, GradFactor, LambBuffers, NormBuffers, OptimizerStep,
-    ScaleChange, ScaleState, TensorKind,
+    ScaleState, TensorKind,
 };
 use amp_kernels::optim::{AdamParams, AdamTensor, LambParams, LambTensor, SgdParams, SgdTensor, TensorNorms};
-use amp_kernels::scale::{ScaleRule, ScaleTrack};
+use amp_kernels::scale::ScaleRule;
 use amp_kernels::{reference, GradSliceMut};
 use cudarc::driver::{CudaSlice, CudaStream};
 
@@ -413,7 +413,7 @@ fn skipped_step(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row> 
     })
 }
 
-/// The scale's state machine on the device against a host copy of amp-runtime's `ScaleState::update`.
+/// The scale's state machine on the device against the host's (`ScaleState::record_step`).
 fn scale_machine(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row> {
     let config = ScaleRule {
         dynamic: true,
@@ -434,7 +434,8 @@ fn scale_machine(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row>
             kernels.mark_skipped(stream, &mut scaler, 0)?;
         }
         kernels.scale_update(stream, &mut scaler, &config)?;
-        host_update(&mut host, overflow, &config);
+        host.bad_tensor = overflow.then_some(0);
+        host.record_step(&config);
         if scaler.read(stream)? != host {
             mismatches += 1;
         }
@@ -444,25 +445,4 @@ fn scale_machine(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row>
         result: format!("{mismatches} steps differ from the host machine; final scale {}", host.scale),
         ok: mismatches == 0,
     })
-}
-
-/// amp-runtime's `ScaleState::update` (amp-kernels' state machine) plus the device's report fields, on
-/// the kernels' state type.
-fn host_update(s: &mut ScaleState, overflow: bool, rule: &ScaleRule) {
-    s.steps += 1;
-    if overflow {
-        s.skipped += 1;
-        s.last_bad_tensor = Some(0);
-    } else {
-        s.applied += 1;
-    }
-    s.bad_tensor = None;
-    let track = ScaleTrack {
-        scale: &mut s.scale,
-        growth_tracker: &mut s.growth_tracker,
-        hysteresis_left: &mut s.hysteresis_left,
-    };
-    s.last_change = track.step(overflow, rule);
-    s.floor_hits += u32::from(s.last_change == ScaleChange::AtFloor);
-    s.inv_scale = 1.0 / s.scale;
 }

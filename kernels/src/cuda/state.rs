@@ -3,6 +3,7 @@
 
 use super::NO_BAD_TENSOR;
 pub use crate::scale::ScaleChange;
+use crate::scale::{ScaleRule, ScaleTrack};
 
 /// Size of the device state in 32-bit words.
 pub const STATE_WORDS: usize = 14;
@@ -58,6 +59,30 @@ impl ScaleState {
             last_change: ScaleChange::Kept,
             floor_hits: 0,
         }
+    }
+
+    /// What `amp_scale_update` does to this state, done on the host: records the step in flight
+    /// (skipped when `bad_tensor` is set, whose reason is then kept), moves the scale by `rule`, counts a
+    /// floor hit, and clears the flag. The device's state machine is checked against this.
+    pub fn record_step(&mut self, rule: &ScaleRule) -> ScaleChange {
+        let overflow = self.bad_tensor.is_some();
+        self.steps += 1;
+        if overflow {
+            self.skipped += 1;
+            self.last_bad_tensor = self.bad_tensor;
+        } else {
+            self.applied += 1;
+        }
+        let track = ScaleTrack {
+            scale: &mut self.scale,
+            growth_tracker: &mut self.growth_tracker,
+            hysteresis_left: &mut self.hysteresis_left,
+        };
+        self.last_change = track.step(overflow, rule);
+        self.floor_hits += u32::from(self.last_change == ScaleChange::AtFloor);
+        self.inv_scale = 1.0 / self.scale;
+        self.bad_tensor = None;
+        self.last_change
     }
 
     /// The words to upload.

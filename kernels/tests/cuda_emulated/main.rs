@@ -24,7 +24,7 @@
 //! - [`adam`], [`sgd`]: every state array, step after step, through skipped steps.
 //! - [`skipped_steps`]: a flagged step changes no state, no LAMB scratch, no step counter.
 //! - [`scale`]: the step counter, the skip reason, and the loss-scale state machine against the host's
-//!   ([`host_scale`]).
+//!   (`ScaleState::record_step`, on amp-kernels' `scale` module, which amp-runtime's scaler runs too).
 //!
 //! Within a tolerance where a norm enters, since the order of its sum differs:
 //!
@@ -48,7 +48,6 @@ mod common;
 
 mod data;
 mod harness;
-mod host_scale;
 mod launch;
 mod tables;
 
