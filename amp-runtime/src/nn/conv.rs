@@ -13,7 +13,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, Conv1dConfig, Conv2dConfig, VarBuilder};
 
-use crate::{HalfSafe, Layer, LayerPrecision, Param, Precision};
+use crate::{LayerPrecision, Param, Precision};
 
 /// A 1-d convolution with candle-nn's parameter names (`weight`, `bias`), shapes and initialisation.
 #[derive(Clone, Debug)]
@@ -191,38 +191,5 @@ fn add_bias(y: Tensor, bias: Option<&Param>, rank: usize) -> Result<Tensor> {
     y.to_dtype(DType::F32)?.broadcast_add(&bias.reshape(shape)?)?.to_dtype(y.dtype())
 }
 
-macro_rules! conv_layer {
-    ($ty:ident, $kind:literal) => {
-        impl Layer for $ty {
-            fn kind(&self) -> &'static str {
-                $kind
-            }
-            fn pinned_fp32(&self) -> bool {
-                false
-            }
-            fn params(&self) -> Vec<(&'static str, &Param)> {
-                let mut params = vec![("weight", &self.weight)];
-                params.extend(self.bias.as_ref().map(|b| ("bias", b)));
-                params
-            }
-            fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
-                let mut params = vec![("weight", &mut self.weight)];
-                params.extend(self.bias.as_mut().map(|b| ("bias", b)));
-                params
-            }
-            fn precision(&self) -> LayerPrecision {
-                self.precision
-            }
-            fn set_precision(&mut self, precision: LayerPrecision) {
-                self.precision = precision;
-            }
-        }
-
-        #[diagnostic::do_not_recommend]
-        impl HalfSafe for $ty {}
-        crate::layer_module!($ty);
-    };
-}
-
-conv_layer!(Conv1d, "Conv1d");
-conv_layer!(Conv2d, "Conv2d");
+leaf_layer!(Conv1d, "Conv1d", params [weight; bias]);
+leaf_layer!(Conv2d, "Conv2d", params [weight; bias]);

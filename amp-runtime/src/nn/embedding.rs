@@ -6,7 +6,7 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
 
-use crate::{HalfSafe, Layer, LayerPrecision, Param};
+use crate::{LayerPrecision, Param};
 
 /// An embedding with candle-nn's parameter name (`weight`) and initialisation (standard normal).
 #[derive(Clone, Debug)]
@@ -47,27 +47,4 @@ impl Module for Embedding {
     }
 }
 
-impl Layer for Embedding {
-    fn kind(&self) -> &'static str {
-        "Embedding"
-    }
-    fn pinned_fp32(&self) -> bool {
-        false
-    }
-    fn params(&self) -> Vec<(&'static str, &Param)> {
-        vec![("weight", &self.weight)]
-    }
-    fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
-        vec![("weight", &mut self.weight)]
-    }
-    fn precision(&self) -> LayerPrecision {
-        self.precision
-    }
-    fn set_precision(&mut self, precision: LayerPrecision) {
-        self.precision = precision;
-    }
-}
-
-#[diagnostic::do_not_recommend]
-impl HalfSafe for Embedding {}
-crate::layer_module!(Embedding);
+leaf_layer!(Embedding, "Embedding", params[weight]);

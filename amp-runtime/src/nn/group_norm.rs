@@ -9,7 +9,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
 
-use crate::{Layer, LayerPrecision, Param, Precision};
+use crate::{LayerPrecision, Param, Precision};
 
 /// Group normalisation with candle-nn's parameter names (`weight`, `bias`). Pinned to fp32.
 #[derive(Clone, Debug)]
@@ -82,25 +82,4 @@ impl Module for GroupNorm {
     }
 }
 
-impl Layer for GroupNorm {
-    fn kind(&self) -> &'static str {
-        "GroupNorm"
-    }
-    fn pinned_fp32(&self) -> bool {
-        true
-    }
-    fn params(&self) -> Vec<(&'static str, &Param)> {
-        vec![("weight", &self.weight), ("bias", &self.bias)]
-    }
-    fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
-        vec![("weight", &mut self.weight), ("bias", &mut self.bias)]
-    }
-    fn precision(&self) -> LayerPrecision {
-        self.precision
-    }
-    fn set_precision(&mut self, precision: LayerPrecision) {
-        self.precision = LayerPrecision { compute: Precision::Fp32, ..precision };
-    }
-}
-
-crate::layer_module!(GroupNorm, pinned_fp32);
+leaf_layer!(GroupNorm, "GroupNorm", pinned_fp32, params [weight, bias]);

@@ -9,7 +9,7 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{init, VarBuilder};
 
-use crate::{Layer, LayerPrecision, Param};
+use crate::{LayerPrecision, Param};
 
 /// Layer normalisation with candle-nn's parameter names (`weight`, `bias`). Pinned to fp32.
 #[derive(Clone, Debug)]
@@ -59,29 +59,4 @@ impl Module for LayerNorm {
     }
 }
 
-impl Layer for LayerNorm {
-    fn kind(&self) -> &'static str {
-        "LayerNorm"
-    }
-    fn pinned_fp32(&self) -> bool {
-        true
-    }
-    fn params(&self) -> Vec<(&'static str, &Param)> {
-        let mut params = vec![("weight", &self.weight)];
-        params.extend(self.bias.as_ref().map(|b| ("bias", b)));
-        params
-    }
-    fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
-        let mut params = vec![("weight", &mut self.weight)];
-        params.extend(self.bias.as_mut().map(|b| ("bias", b)));
-        params
-    }
-    fn precision(&self) -> LayerPrecision {
-        self.precision
-    }
-    fn set_precision(&mut self, precision: LayerPrecision) {
-        self.precision = LayerPrecision { compute: crate::Precision::Fp32, ..precision };
-    }
-}
-
-crate::layer_module!(LayerNorm, pinned_fp32);
+leaf_layer!(LayerNorm, "LayerNorm", pinned_fp32, params [weight; bias]);

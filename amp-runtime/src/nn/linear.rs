@@ -6,7 +6,7 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
 
-use crate::{HalfSafe, Layer, LayerPrecision, Param};
+use crate::{LayerPrecision, Param};
 
 /// A linear layer with candle-nn's parameter names (`weight`, `bias`) and initialisation.
 #[derive(Clone, Debug)]
@@ -70,31 +70,4 @@ impl Module for Linear {
     }
 }
 
-impl Layer for Linear {
-    fn kind(&self) -> &'static str {
-        "Linear"
-    }
-    fn pinned_fp32(&self) -> bool {
-        false
-    }
-    fn params(&self) -> Vec<(&'static str, &Param)> {
-        let mut params = vec![("weight", &self.weight)];
-        params.extend(self.bias.as_ref().map(|b| ("bias", b)));
-        params
-    }
-    fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
-        let mut params = vec![("weight", &mut self.weight)];
-        params.extend(self.bias.as_mut().map(|b| ("bias", b)));
-        params
-    }
-    fn precision(&self) -> LayerPrecision {
-        self.precision
-    }
-    fn set_precision(&mut self, precision: LayerPrecision) {
-        self.precision = precision;
-    }
-}
-
-#[diagnostic::do_not_recommend]
-impl HalfSafe for Linear {}
-crate::layer_module!(Linear);
+leaf_layer!(Linear, "Linear", params [weight; bias]);

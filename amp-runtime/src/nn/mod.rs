@@ -11,6 +11,55 @@
 //! [`Dropout`] (half-safe, no parameters), and the composite [`MultiHeadAttention`] (half-safe; its
 //! softmax runs in f32).
 
+/// Implements [`Layer`](crate::Layer) and [`AmpModule`](crate::AmpModule) for a leaf layer with a
+/// `precision: LayerPrecision` field. Its parameters are the `Param` fields listed, then the
+/// `Option<Param>` fields after `;`, named after the fields. A `pinned_fp32` layer computes in fp32
+/// whatever it is asked; the others are [`HalfSafe`](crate::HalfSafe).
+macro_rules! leaf_layer {
+    ($ty:ident, $kind:literal, params [$($p:ident),* $(; $($o:ident),*)?]) => {
+        leaf_layer!(@layer $ty, $kind, false, [$($p),*], [$($($o),*)?]);
+        #[diagnostic::do_not_recommend]
+        impl $crate::HalfSafe for $ty {}
+        $crate::layer_module!($ty);
+    };
+    ($ty:ident, $kind:literal, pinned_fp32, params [$($p:ident),* $(; $($o:ident),*)?]) => {
+        leaf_layer!(@layer $ty, $kind, true, [$($p),*], [$($($o),*)?]);
+        $crate::layer_module!($ty, pinned_fp32);
+    };
+    (@layer $ty:ident, $kind:literal, $pinned:literal, [$($p:ident),*], [$($o:ident),*]) => {
+        impl $crate::Layer for $ty {
+            fn kind(&self) -> &'static str {
+                $kind
+            }
+            fn pinned_fp32(&self) -> bool {
+                $pinned
+            }
+            fn params(&self) -> Vec<(&'static str, &$crate::Param)> {
+                #[allow(unused_mut)]
+                let mut params = vec![$((stringify!($p), &self.$p)),*];
+                $(params.extend(self.$o.as_ref().map(|p| (stringify!($o), p)));)*
+                params
+            }
+            fn params_mut(&mut self) -> Vec<(&'static str, &mut $crate::Param)> {
+                #[allow(unused_mut)]
+                let mut params = vec![$((stringify!($p), &mut self.$p)),*];
+                $(params.extend(self.$o.as_mut().map(|p| (stringify!($o), p)));)*
+                params
+            }
+            fn precision(&self) -> $crate::LayerPrecision {
+                self.precision
+            }
+            fn set_precision(&mut self, precision: $crate::LayerPrecision) {
+                self.precision = if $pinned {
+                    $crate::LayerPrecision { compute: $crate::Precision::Fp32, ..precision }
+                } else {
+                    precision
+                };
+            }
+        }
+    };
+}
+
 mod attention;
 mod batch_norm;
 mod conv;

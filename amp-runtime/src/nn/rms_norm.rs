@@ -7,7 +7,7 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{init, VarBuilder};
 
-use crate::{Layer, LayerPrecision, Param, Precision};
+use crate::{LayerPrecision, Param, Precision};
 
 /// RMS normalisation with candle-nn's parameter name (`weight`). Pinned to fp32.
 #[derive(Clone, Debug)]
@@ -46,25 +46,4 @@ impl Module for RmsNorm {
     }
 }
 
-impl Layer for RmsNorm {
-    fn kind(&self) -> &'static str {
-        "RmsNorm"
-    }
-    fn pinned_fp32(&self) -> bool {
-        true
-    }
-    fn params(&self) -> Vec<(&'static str, &Param)> {
-        vec![("weight", &self.weight)]
-    }
-    fn params_mut(&mut self) -> Vec<(&'static str, &mut Param)> {
-        vec![("weight", &mut self.weight)]
-    }
-    fn precision(&self) -> LayerPrecision {
-        self.precision
-    }
-    fn set_precision(&mut self, precision: LayerPrecision) {
-        self.precision = LayerPrecision { compute: Precision::Fp32, ..precision };
-    }
-}
-
-crate::layer_module!(RmsNorm, pinned_fp32);
+leaf_layer!(RmsNorm, "RmsNorm", pinned_fp32, params[weight]);
