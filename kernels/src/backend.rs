@@ -5,8 +5,9 @@ use half::{bf16, f16};
 use crate::Isa;
 
 /// An [`Isa`] this CPU supports: only constructible through [`Backend::new`], which falls back to
-/// [`Isa::Portable`]. Holding `Backend(Isa::Avx2)` proves AVX2, FMA and F16C are available, which is what
-/// makes the `unsafe` calls in [`dispatch!`] sound.
+/// [`Isa::Portable`]. Holding `Backend(isa)` with `isa >= Isa::Avx2` proves AVX2, FMA and F16C are
+/// available (every level above AVX2 includes them), which is what makes the `unsafe` calls in
+/// [`dispatch!`] sound. The bandwidth-bound kernels have one x86 path, so every level above AVX2 runs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Backend(Isa);
 
@@ -19,7 +20,7 @@ impl Backend {
     /// Whether the AVX2 path runs (never, off x86-64).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn is_avx2(self) -> bool {
-        self.0 == Isa::Avx2
+        self.0 >= Isa::Avx2
     }
 }
 

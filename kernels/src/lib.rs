@@ -47,6 +47,7 @@ mod backend;
 pub mod clip;
 pub mod convert;
 pub mod cuda;
+pub mod gemm;
 mod isa;
 pub mod norm;
 pub mod optim;

@@ -10,8 +10,10 @@
 //!
 //! These are slow by design. They are public so that downstream tests can use them too.
 
+mod gemm;
 mod optim;
 
+pub use gemm::{gemm, GemmReference};
 pub use optim::{adam_step, adam_step_f64, lamb_step, sgd_step};
 
 use half::{bf16, f16};

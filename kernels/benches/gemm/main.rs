@@ -1,0 +1,269 @@
+//! GEMM throughput: amp's paths against candle's matmul and gemmkit, with the machine's own peaks.
+//!
+//! Every shape runs every contender interleaved (A, B, C, ... per round) on a 2-thread rayon pool;
+//! each row is the median of its rounds. "peak" is what the same binary measures for a loop of the
+//! instruction on independent accumulators (`vdpbf16ps` and the widest f32 FMA), timed between shapes
+//! so that it sees the same neighbours. Shapes: squares 256..4096, the main job's and a BERT-base
+//! layer's products (forward, and both backward products), and skinny products (m = 16, 64).
+//!
+//! Layouts are training's: forward `x·W^T` reads the weight `(out, in)` in place (B transposed),
+//! `dX = dY·W` reads both row-major, `dW = dY^T·X` reads A transposed. amp's bf16 and f16 rows write
+//! bf16 / f16 C (as candle's and gemmkit's half products do); f32 rows write f32.
+//!
+//! Run: `cargo bench -p amp-kernels --bench gemm` (a few minutes; `-- --quick` for squares to 2048).
+
+mod peak;
+mod timing;
+
+use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef};
+use candle_core::{DType, Device, Tensor};
+use half::bf16;
+use half::f16;
+
+use timing::median;
+
+/// How B is read: `Normal` row-major `(k, n)`, `Transposed` a row-major `(n, k)` read as its transpose.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    Normal,
+    Transposed,
+}
+
+struct Shape {
+    name: String,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Layout,
+    b: Layout,
+}
+
+fn shape(name: impl Into<String>, (m, k, n): (usize, usize, usize), a: Layout, b: Layout) -> Shape {
+    Shape { name: name.into(), m, k, n, a, b }
+}
+
+/// The three products of a Linear layer with `tokens` rows, `inp` inputs and `out` outputs.
+fn linear(label: &str, tokens: usize, inp: usize, out: usize) -> [Shape; 3] {
+    use Layout::{Normal, Transposed};
+    [
+        shape(format!("{label} fwd"), (tokens, inp, out), Normal, Transposed),
+        shape(format!("{label} dX"), (tokens, out, inp), Normal, Normal),
+        shape(format!("{label} dW"), (out, tokens, inp), Transposed, Normal),
+    ]
+}
+
+fn shapes(quick: bool) -> Vec<Shape> {
+    use Layout::{Normal, Transposed};
+    let mut v = Vec::new();
+    let squares: &[usize] = if quick { &[256, 512, 1024, 2048] } else { &[256, 512, 1024, 2048, 4096] };
+    for &s in squares {
+        v.push(shape(format!("{s}^3"), (s, s, s), Normal, Normal));
+    }
+    if quick {
+        return v;
+    }
+    // The main job (examples/train, default size): 16 x 128 tokens, d_model 256, MLP 1024.
+    v.extend(linear("main qkv", 2048, 256, 768));
+    v.extend(linear("main mlp-up", 2048, 256, 1024));
+    v.extend(linear("main mlp-down", 2048, 1024, 256));
+    // A BERT-base layer at 16 x 128 tokens: d 768, FFN 3072.
+    v.extend(linear("bert qkv", 2048, 768, 2304));
+    v.extend(linear("bert ffn-up", 2048, 768, 3072));
+    v.extend(linear("bert ffn-down", 2048, 3072, 768));
+    for m in [16, 64] {
+        v.push(shape(format!("skinny m={m}"), (m, 1024, 1024), Normal, Transposed));
+        v.push(shape(format!("skinny m={m} wide"), (m, 4096, 4096), Normal, Transposed));
+    }
+    v
+}
+
+/// Operands of one shape in every dtype, stored as the layouts say.
+struct Operands {
+    a32: Vec<f32>,
+    b32: Vec<f32>,
+    a16: Vec<f16>,
+    b16: Vec<f16>,
+    abf: Vec<bf16>,
+    bbf: Vec<bf16>,
+}
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
+        .collect()
+}
+
+impl Operands {
+    fn new(s: &Shape) -> Operands {
+        let (a32, b32) = (values(s.m * s.k, 1), values(s.k * s.n, 2));
+        Operands {
+            a16: a32.iter().map(|&x| f16::from_f32(x)).collect(),
+            b16: b32.iter().map(|&x| f16::from_f32(x)).collect(),
+            abf: a32.iter().map(|&x| bf16::from_f32(x)).collect(),
+            bbf: b32.iter().map(|&x| bf16::from_f32(x)).collect(),
+            a32,
+            b32,
+        }
+    }
+}
+
+/// The amp view of a stored operand of logical shape `(rows, cols)`.
+fn view<'a, T>(data: &'a [T], rows: usize, cols: usize, layout: Layout) -> MatRef<'a>
+where
+    &'a [T]: Into<amp_kernels::GradSlice<'a>>,
+{
+    match layout {
+        Layout::Normal => MatRef::row_major(data, cols),
+        Layout::Transposed => {
+            let _ = rows;
+            MatRef::transposed(data, rows)
+        }
+    }
+}
+
+/// A candle tensor of logical shape `(rows, cols)` stored as `layout` says (a transposed view, no copy).
+fn candle(data: &[f32], rows: usize, cols: usize, layout: Layout, dtype: DType) -> Tensor {
+    let t = match layout {
+        Layout::Normal => Tensor::from_slice(data, (rows, cols), &Device::Cpu).unwrap(),
+        Layout::Transposed => Tensor::from_slice(data, (cols, rows), &Device::Cpu).unwrap().t().unwrap(),
+    };
+    t.to_dtype(dtype).unwrap()
+}
+
+/// A gemmkit view of a stored operand.
+fn kit<T>(data: &[T], rows: usize, cols: usize, layout: Layout) -> gemmkit::MatRef<'_, T> {
+    match layout {
+        Layout::Normal => gemmkit::MatRef::from_row_major(data, rows, cols),
+        Layout::Transposed => gemmkit::MatRef::from_col_major(data, rows, cols),
+    }
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    pool.install(|| run(quick));
+}
+
+/// One implementation of the product.
+#[derive(Clone, Copy)]
+enum Contender {
+    Amp(GemmPath, Compute),
+    CandleF32,
+    CandleBf16,
+    GemmkitBf16,
+}
+
+impl Contender {
+    fn all() -> Vec<Contender> {
+        let mut v = Vec::new();
+        for path in [GemmPath::Avx512Bf16, GemmPath::Avx512, GemmPath::Avx2] {
+            if path.is_supported() {
+                v.push(Contender::Amp(path, Compute::Bf16));
+            }
+        }
+        v.push(Contender::Amp(GemmPath::choose(Compute::F16), Compute::F16));
+        for path in [GemmPath::Avx512, GemmPath::Avx2] {
+            if path.is_supported() {
+                v.push(Contender::Amp(path, Compute::F32));
+            }
+        }
+        v.extend([Contender::CandleF32, Contender::CandleBf16, Contender::GemmkitBf16]);
+        v
+    }
+
+    fn name(self) -> String {
+        match self {
+            Contender::Amp(path, compute) => format!("amp {} {path}", format!("{compute:?}").to_lowercase()),
+            Contender::CandleF32 => "candle f32".into(),
+            Contender::CandleBf16 => "candle bf16".into(),
+            Contender::GemmkitBf16 => "gemmkit bf16".into(),
+        }
+    }
+
+    /// Which measured peak bounds it: `vdpbf16ps` for bf16 products where the CPU has it.
+    fn on_bf16_peak(self) -> bool {
+        match self {
+            Contender::Amp(path, _) => path.is_bf16_dot(),
+            Contender::GemmkitBf16 | Contender::CandleBf16 => GemmPath::Avx512Bf16.is_supported(),
+            Contender::CandleF32 => false,
+        }
+    }
+}
+
+fn run(quick: bool) {
+    println!("GEMM bench: 2 threads, {}", cpu_line());
+    let mut peaks = peak::Peaks::default();
+    peaks.measure();
+    println!("{peaks}");
+    let contenders = Contender::all();
+    let mut summary = timing::Summary::default();
+    for s in shapes(quick) {
+        let ops = Operands::new(&s);
+        let dims = Dims::new(s.m, s.n, s.k);
+        let mut c32 = vec![0.0f32; s.m * s.n];
+        let mut c16 = vec![f16::ZERO; s.m * s.n];
+        let mut cbf = vec![bf16::ZERO; s.m * s.n];
+        let (ca32, cb32) =
+            (candle(&ops.a32, s.m, s.k, s.a, DType::F32), candle(&ops.b32, s.k, s.n, s.b, DType::F32));
+        let (cabf, cbbf) =
+            (candle(&ops.a32, s.m, s.k, s.a, DType::BF16), candle(&ops.b32, s.k, s.n, s.b, DType::BF16));
+        let mut call = |c: Contender| match c {
+            Contender::Amp(path, compute) => {
+                let (a, b, out) = match compute {
+                    Compute::Bf16 => (
+                        view(&ops.abf, s.m, s.k, s.a),
+                        view(&ops.bbf, s.k, s.n, s.b),
+                        MatMut::row_major(&mut cbf[..], s.n),
+                    ),
+                    Compute::F16 => (
+                        view(&ops.a16, s.m, s.k, s.a),
+                        view(&ops.b16, s.k, s.n, s.b),
+                        MatMut::row_major(&mut c16[..], s.n),
+                    ),
+                    Compute::F32 => (
+                        view(&ops.a32, s.m, s.k, s.a),
+                        view(&ops.b32, s.k, s.n, s.b),
+                        MatMut::row_major(&mut c32[..], s.n),
+                    ),
+                };
+                gemm_with(path, dims, a, b, out, compute, false).unwrap();
+            }
+            Contender::CandleF32 => drop(ca32.matmul(&cb32).unwrap()),
+            Contender::CandleBf16 => drop(cabf.matmul(&cbbf).unwrap()),
+            Contender::GemmkitBf16 => {
+                let (a, b) = (kit(&ops.abf, s.m, s.k, s.a), kit(&ops.bbf, s.k, s.n, s.b));
+                let c = gemmkit::MatMut::from_row_major(&mut cbf[..], s.m, s.n);
+                gemmkit::gemm(bf16::ONE, a, b, bf16::ZERO, c, gemmkit::Parallelism::Rayon(2));
+            }
+        };
+        let times = timing::interleaved(contenders.len(), |i| call(contenders[i]), &mut peaks);
+        println!("\n{} (m {}, k {}, n {}): {:.2} GFLOP", s.name, s.m, s.k, s.n, dims.flops() / 1e9);
+        let rows: Vec<timing::Row> = contenders
+            .iter()
+            .zip(times)
+            .map(|(c, t)| timing::Row { name: c.name(), seconds: median(&t), bf16_peak: c.on_bf16_peak() })
+            .collect();
+        timing::print(&rows, dims.flops(), &peaks);
+        summary.add(&s.name, dims.flops(), rows);
+    }
+    summary.print(&peaks);
+}
+
+fn cpu_line() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = info
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .unwrap_or(" unknown");
+    let flags: Vec<&str> = info
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .map(|l| {
+            l.split_whitespace()
+                .filter(|f| ["avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16"].contains(f))
+                .collect()
+        })
+        .unwrap_or_default();
+    format!("CPU{model}, flags: {}", flags.join(" "))
+}

@@ -1,0 +1,127 @@
+//! Interleaved timing, medians, and the printed tables.
+
+use std::time::Instant;
+
+use crate::peak::Peaks;
+
+/// Wall time each contender should get per shape, summed over its rounds.
+const BUDGET_S: f64 = 1.5;
+
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// Times `call(0..n)` round-robin: one warm-up each, then 3 to 15 rounds (as many as fit the budget),
+/// a peak sample before each round. Returns every contender's times in seconds.
+pub fn interleaved(n: usize, mut call: impl FnMut(usize), peaks: &mut Peaks) -> Vec<Vec<f64>> {
+    let mut once = |i: usize| {
+        let start = Instant::now();
+        call(i);
+        start.elapsed().as_secs_f64()
+    };
+    let warm: Vec<f64> = (0..n).map(&mut once).collect();
+    let slowest = warm.iter().copied().fold(0.0, f64::max);
+    let rounds = ((BUDGET_S / slowest) as usize).clamp(3, 15);
+    let mut times = vec![Vec::with_capacity(rounds); n];
+    for _ in 0..rounds {
+        peaks.measure();
+        for (i, t) in times.iter_mut().enumerate() {
+            t.push(once(i));
+        }
+    }
+    times
+}
+
+/// One contender's median on one shape.
+pub struct Row {
+    pub name: String,
+    pub seconds: f64,
+    /// Measured against the `vdpbf16ps` peak (else the FMA peak).
+    pub bf16_peak: bool,
+}
+
+impl Row {
+    fn gflops(&self, flops: f64) -> f64 {
+        flops / self.seconds / 1e9
+    }
+
+    fn of_peak(&self, flops: f64, peaks: &Peaks) -> Option<f64> {
+        let peak = if self.bf16_peak { peaks.bf16() } else { peaks.fma() }?;
+        Some(100.0 * self.gflops(flops) / peak)
+    }
+}
+
+pub fn print(rows: &[Row], flops: f64, peaks: &Peaks) {
+    let candle = rows.iter().find(|r| r.name == "candle f32").map(|r| r.seconds);
+    println!(
+        "  {:<34} {:>9} {:>9} {:>12} {:>13}",
+        "contender", "ms", "GFLOP/s", "% of peak", "vs candle f32"
+    );
+    for r in rows {
+        let of_peak = r
+            .of_peak(flops, peaks)
+            .map_or("-".into(), |p| format!("{p:.0}% {}", if r.bf16_peak { "dp" } else { "fma" }));
+        let vs = candle.map_or("-".into(), |c| format!("{:.2}x", c / r.seconds));
+        println!(
+            "  {:<34} {:>9.3} {:>9.1} {:>12} {:>13}",
+            r.name,
+            r.seconds * 1e3,
+            r.gflops(flops),
+            of_peak,
+            vs
+        );
+    }
+}
+
+/// Every shape's rows, for the goals printed at the end.
+#[derive(Default)]
+pub struct Summary {
+    shapes: Vec<(String, f64, Vec<Row>)>,
+}
+
+impl Summary {
+    pub fn add(&mut self, shape: &str, flops: f64, rows: Vec<Row>) {
+        self.shapes.push((shape.to_string(), flops, rows));
+    }
+
+    pub fn print(&self, peaks: &Peaks) {
+        println!("\n{peaks}");
+        println!("goals (issue #12), medians of this run:");
+        let find =
+            |rows: &[Row], prefix: &str| rows.iter().find(|r| r.name.starts_with(prefix)).map(|r| r.seconds);
+        let Some((_, flops, rows)) = self.shapes.iter().find(|(s, _, _)| s == "2048^3") else { return };
+        let candle = find(rows, "candle f32").unwrap_or(f64::NAN);
+        let best_bf16 = find(rows, "amp bf16").unwrap_or(f64::NAN);
+        let best_f32 = find(rows, "amp f32").unwrap_or(f64::NAN);
+        let best_f16 = find(rows, "amp f16").unwrap_or(f64::NAN);
+        if let Some(dot) = rows.iter().find(|r| r.name.contains("vdpbf16ps")) {
+            println!("  AVX512-BF16 CPU:");
+            println!("    amp bf16 / candle f32 at 2048^3: {:.2}x (goal >= 3x)", candle / dot.seconds);
+            let of_peak = dot.of_peak(*flops, peaks).unwrap_or(f64::NAN);
+            println!("    amp bf16 at 2048^3: {of_peak:.0}% of the measured vdpbf16ps peak (goal >= 85%)");
+            println!("    amp f32 / candle f32 at 2048^3: {:.2}x (goal >= 1.5x)", candle / best_f32);
+            let mut ahead = 0;
+            for (shape, _, rows) in &self.shapes {
+                let (ours, kit) = (find(rows, "amp bf16"), find(rows, "gemmkit bf16"));
+                if let (Some(ours), Some(kit)) = (ours, kit) {
+                    if ours < kit {
+                        ahead += 1;
+                    } else {
+                        println!("    behind gemmkit on {shape}: {:.2}x of its speed", kit / ours);
+                    }
+                }
+            }
+            println!(
+                "    amp bf16 ahead of gemmkit bf16 on {ahead} of {} shapes (goal: all)",
+                self.shapes.len()
+            );
+        } else {
+            println!("  AVX2-only CPU:");
+            println!("    amp bf16 / amp f32 speed at 2048^3: {:.2}x (goal >= 0.95x)", best_f32 / best_bf16);
+            println!("    amp f16 / amp f32 speed at 2048^3: {:.2}x (goal >= 0.95x)", best_f32 / best_f16);
+            println!("    amp f32 / candle f32 at 2048^3: {:.2}x (goal >= 1x)", candle / best_f32);
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! The blocked, parallel GEMM loop around a micro-kernel.
+//!
+//! 1. Both operands are packed once, every panel of every batch in parallel, into buffers kept per
+//!    calling thread (they grow to the largest product seen and are reused).
+//! 2. C is cut into blocks of `MC x NC`; blocks run in parallel. Inside a block, for each k-block of
+//!    `KC` steps, each B micro-panel (`KC x NR`, L1-sized) is swept by every A micro-panel of the block.
+//! 3. f32 output is accumulated in place; f16 / bf16 output is accumulated in an f32 scratch block
+//!    (per worker thread) and rounded once at the end, so a half C never holds a partial sum.
+//!
+//! Every element of C is one FMA chain in `k` order regardless of blocking or thread count.
+
+use std::cell::Cell;
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::layout::{Dims, MatMut, MatRef};
+use super::micro::{self, Micro, MAX_TILE};
+use super::pack::{Lines, PackInto};
+use super::{Compute, GemmPath};
+use crate::{GradSlice, GradSliceMut};
+
+/// Products below this many flops run on the calling thread only.
+const PARALLEL_FLOPS: f64 = 4.0e6;
+
+thread_local! {
+    /// Packed A and B of the calling thread's last product, kept for the next.
+    static PACKED: Cell<(Vec<u32>, Vec<u32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+    /// A worker's f32 block for half output.
+    static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// Runs a product already validated by `layout::check` and `GemmPath::check`.
+pub(crate) fn run(
+    path: GemmPath,
+    dims: Dims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: MatMut<'_>,
+    compute: Compute,
+    accumulate: bool,
+) {
+    let job = Job { dims, a, b, out: Out::new(c), compute, accumulate };
+    const CHECKED: &str = "GemmPath::check found this path supported";
+    match path {
+        GemmPath::Portable => job.run(micro::FmaPortable),
+        GemmPath::Avx512Bf16Model => job.run(micro::DotModel),
+        #[cfg(target_arch = "x86_64")]
+        GemmPath::Avx2 => job.run(micro::FmaAvx2::new().expect(CHECKED)),
+        #[cfg(target_arch = "x86_64")]
+        GemmPath::Avx512 => job.run(micro::FmaAvx512::new().expect(CHECKED)),
+        #[cfg(target_arch = "x86_64")]
+        GemmPath::Avx512Bf16 => job.run(micro::DotAvx512Bf16::new().expect(CHECKED)),
+        #[cfg(not(target_arch = "x86_64"))]
+        GemmPath::Avx2 | GemmPath::Avx512 | GemmPath::Avx512Bf16 => unreachable!("{CHECKED}"),
+    }
+}
+
+/// C as a raw pointer, so that parallel blocks can write their disjoint parts.
+#[derive(Clone, Copy)]
+enum Ptr {
+    F32(*mut f32),
+    F16(*mut f16),
+    Bf16(*mut bf16),
+}
+
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: Ptr,
+    row_stride: usize,
+    batch_stride: usize,
+}
+
+// SAFETY: blocks write disjoint elements of C (`layout::check` proved C's elements distinct) and the
+// borrow of C outlives the parallel loop.
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+impl Out {
+    fn new(c: MatMut<'_>) -> Out {
+        let ptr = match c.data {
+            GradSliceMut::F32(s) => Ptr::F32(s.as_mut_ptr()),
+            GradSliceMut::F16(s) => Ptr::F16(s.as_mut_ptr()),
+            GradSliceMut::Bf16(s) => Ptr::Bf16(s.as_mut_ptr()),
+        };
+        Out { ptr, row_stride: c.row_stride, batch_stride: c.batch_stride }
+    }
+}
+
+struct Job<'a> {
+    dims: Dims,
+    a: MatRef<'a>,
+    b: MatRef<'a>,
+    out: Out,
+    compute: Compute,
+    accumulate: bool,
+}
+
+/// A block of C: batch item, first row and column, and its size.
+#[derive(Clone, Copy)]
+struct Block {
+    batch: usize,
+    row: usize,
+    col: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl Job<'_> {
+    fn run<M: Micro>(&self, micro: M)
+    where
+        M::Packed: PackInto,
+    {
+        let Dims { batch, m, n, k } = self.dims;
+        if batch == 0 || m == 0 || n == 0 {
+            return;
+        }
+        let steps = k.div_ceil(M::K_PER_STEP);
+        let (mut a_words, mut b_words) = PACKED.take();
+        let a_len = batch * m.div_ceil(M::MR) * steps * M::MR;
+        let b_len = batch * n.div_ceil(M::NR) * steps * M::NR;
+        a_words.resize(a_len, 0);
+        b_words.resize(b_len, 0);
+        let parallel = self.dims.flops() >= PARALLEL_FLOPS;
+        {
+            let a_packed = M::Packed::from_words(&mut a_words[..a_len]);
+            let b_packed = M::Packed::from_words(&mut b_words[..b_len]);
+            self.pack(&self.a, (m, self.a.row_stride, self.a.col_stride), M::MR, a_packed, parallel);
+            self.pack(&self.b, (n, self.b.col_stride, self.b.row_stride), M::NR, b_packed, parallel);
+            let (a_packed, b_packed) = (&*a_packed, &*b_packed);
+            let (m_blocks, n_blocks) = (m.div_ceil(M::MC), n.div_ceil(M::NC));
+            let block = |i: usize| {
+                let (batch, rest) = (i / (m_blocks * n_blocks), i % (m_blocks * n_blocks));
+                let (row, col) = (rest / n_blocks * M::MC, rest % n_blocks * M::NC);
+                let block = Block { batch, row, col, rows: M::MC.min(m - row), cols: M::NC.min(n - col) };
+                self.block(micro, block, steps, a_packed, b_packed);
+            };
+            let blocks = batch * m_blocks * n_blocks;
+            if parallel {
+                (0..blocks).into_par_iter().for_each(block);
+            } else {
+                (0..blocks).for_each(block);
+            }
+        }
+        PACKED.set((a_words, b_words));
+    }
+
+    /// Packs every panel of `op` (lines = rows of A or columns of B: `(count, line stride, k stride)`).
+    fn pack<P: PackInto>(
+        &self,
+        op: &MatRef<'_>,
+        (count, line_stride, k_stride): (usize, usize, usize),
+        width: usize,
+        dst: &mut [P],
+        parallel: bool,
+    ) {
+        let k = self.dims.k;
+        let panel_len = k.div_ceil(P::K_PER_STEP) * width;
+        if panel_len == 0 {
+            return;
+        }
+        let panels = count.div_ceil(width);
+        let pack_one = |(i, panel): (usize, &mut [P])| {
+            let (batch, p) = (i / panels, i % panels);
+            let base = batch * op.batch_stride + p * width * line_stride;
+            let lines = Lines { base, line_stride, k_stride, count: width.min(count - p * width), k };
+            match op.data {
+                GradSlice::F32(s) => P::pack(s, lines, width, self.compute, panel),
+                GradSlice::F16(s) => P::pack(s, lines, width, self.compute, panel),
+                GradSlice::Bf16(s) => P::pack(s, lines, width, self.compute, panel),
+            }
+        };
+        if parallel {
+            dst.par_chunks_mut(panel_len).enumerate().for_each(pack_one);
+        } else {
+            dst.chunks_mut(panel_len).enumerate().for_each(pack_one);
+        }
+    }
+
+    fn block<M: Micro>(
+        &self,
+        micro: M,
+        blk: Block,
+        steps: usize,
+        a_packed: &[M::Packed],
+        b_packed: &[M::Packed],
+    ) {
+        let out = self.out;
+        let origin = blk.batch * out.batch_stride + blk.row * out.row_stride + blk.col;
+        match out.ptr {
+            // SAFETY: `origin` and the block's extent lie inside C (layout::check), and no other block
+            // writes these elements.
+            Ptr::F32(c) => unsafe {
+                self.sweep(
+                    micro,
+                    blk,
+                    steps,
+                    a_packed,
+                    b_packed,
+                    c.add(origin),
+                    out.row_stride,
+                    self.accumulate,
+                );
+            },
+            Ptr::F16(c) => {
+                self.through_scratch(micro, blk, steps, a_packed, b_packed, c.wrapping_add(origin))
+            }
+            Ptr::Bf16(c) => {
+                self.through_scratch(micro, blk, steps, a_packed, b_packed, c.wrapping_add(origin))
+            }
+        }
+    }
+
+    /// A half-precision block: summed in f32 scratch, rounded into C once.
+    fn through_scratch<M: Micro, H: HalfOut>(
+        &self,
+        micro: M,
+        blk: Block,
+        steps: usize,
+        a_packed: &[M::Packed],
+        b_packed: &[M::Packed],
+        c: *mut H,
+    ) {
+        let ldc = self.out.row_stride;
+        let mut scratch = SCRATCH.take();
+        scratch.resize(blk.rows * blk.cols, 0.0);
+        for (r, row) in scratch.chunks_exact_mut(blk.cols).enumerate() {
+            if self.accumulate {
+                // SAFETY: row r of the block lies inside C and belongs to this block only.
+                H::widen(unsafe { std::slice::from_raw_parts(c.add(r * ldc), blk.cols) }, row);
+            }
+        }
+        // SAFETY: the scratch holds `rows x cols` floats at distance `cols`.
+        unsafe {
+            self.sweep(
+                micro,
+                blk,
+                steps,
+                a_packed,
+                b_packed,
+                scratch.as_mut_ptr(),
+                blk.cols,
+                self.accumulate,
+            );
+        }
+        for (r, row) in scratch.chunks_exact(blk.cols).enumerate() {
+            // SAFETY: as above.
+            H::narrow(row, unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), blk.cols) });
+        }
+        SCRATCH.set(scratch);
+    }
+
+    /// Every tile of the block, k-block by k-block, into f32 `c` (the block's origin, rows `ldc` apart).
+    ///
+    /// # Safety
+    /// `c` is valid for the block's `rows x cols` floats at distance `ldc`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn sweep<M: Micro>(
+        &self,
+        micro: M,
+        blk: Block,
+        steps: usize,
+        a_packed: &[M::Packed],
+        b_packed: &[M::Packed],
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        if steps == 0 {
+            if !accumulate {
+                for r in 0..blk.rows {
+                    // SAFETY: row r of the block, as the caller guarantees.
+                    unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), blk.cols) }.fill(0.0);
+                }
+            }
+            return;
+        }
+        let (a_panels, b_panels) = (self.dims.m.div_ceil(M::MR), self.dims.n.div_ceil(M::NR));
+        let a_panel = |p: usize| &a_packed[(blk.batch * a_panels + blk.row / M::MR + p) * steps * M::MR..];
+        let b_panel = |p: usize| &b_packed[(blk.batch * b_panels + blk.col / M::NR + p) * steps * M::NR..];
+        for k0 in (0..steps).step_by(M::KC) {
+            let kc = M::KC.min(steps - k0);
+            let load = accumulate || k0 > 0;
+            for jp in 0..blk.cols.div_ceil(M::NR) {
+                let b = b_panel(jp)[k0 * M::NR..].as_ptr();
+                let cols = M::NR.min(blk.cols - jp * M::NR);
+                for ip in 0..blk.rows.div_ceil(M::MR) {
+                    let a = a_panel(ip)[k0 * M::MR..].as_ptr();
+                    let rows = M::MR.min(blk.rows - ip * M::MR);
+                    // SAFETY: the tile's origin is inside the block (caller), panels hold `kc` steps from
+                    // `k0` (packed for all `steps`), and the micro-kernel exists only where it runs.
+                    unsafe {
+                        let tile = c.add(ip * M::MR * ldc + jp * M::NR);
+                        if rows == M::MR && cols == M::NR {
+                            micro.tile(kc, a, b, tile, ldc, load);
+                        } else {
+                            edge_tile(micro, kc, a, b, tile, ldc, (rows, cols), load);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A tile cut by C's edge: computed whole in scratch, its present part copied in and out.
+///
+/// # Safety
+/// As [`Micro::tile`] for `a` and `b`; `c` valid for `rows x cols` floats at distance `ldc`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn edge_tile<M: Micro>(
+    micro: M,
+    kc: usize,
+    a: *const M::Packed,
+    b: *const M::Packed,
+    c: *mut f32,
+    ldc: usize,
+    (rows, cols): (usize, usize),
+    load: bool,
+) {
+    let mut tmp = [0.0f32; MAX_TILE];
+    // SAFETY: as the caller guarantees; `tmp` holds MR x NR <= MAX_TILE floats at distance NR.
+    unsafe {
+        if load {
+            for r in 0..rows {
+                std::ptr::copy_nonoverlapping(c.add(r * ldc), tmp.as_mut_ptr().add(r * M::NR), cols);
+            }
+        }
+        micro.tile(kc, a, b, tmp.as_mut_ptr(), M::NR, load);
+        for r in 0..rows {
+            std::ptr::copy_nonoverlapping(tmp.as_ptr().add(r * M::NR), c.add(r * ldc), cols);
+        }
+    }
+}
+
+/// A half-precision output element type.
+trait HalfOut: Copy {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl HalfOut for f16 {
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+impl HalfOut for bf16 {
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [bf16]) {
+        dst.convert_from_f32_slice(src);
+    }
+}

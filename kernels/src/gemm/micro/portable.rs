@@ -1,0 +1,81 @@
+//! Micro-kernels in plain Rust: f32 FMA chains, and the software model of the `vdpbf16ps` kernel.
+
+use super::Micro;
+use crate::gemm::dpbf16::dpbf16_pair;
+
+/// f32 fused multiply-adds, 6 x 16 tiles (LLVM vectorises the 16 columns where it can).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FmaPortable;
+
+/// The `vdpbf16ps` kernel's algorithm with each instruction replaced by [`dpbf16_pair`]: same packing,
+/// tiles and blocking as [`super::DotAvx512Bf16`], bit-identical results.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DotModel;
+
+/// The portable tile loop: `acc[r][j] = step(acc[r][j], a[r], b[j])` for every step.
+///
+/// # Safety
+/// As [`Micro::tile`].
+#[inline(always)]
+unsafe fn tile_with<P: Copy, const MR: usize, const NR: usize>(
+    steps: usize,
+    a: *const P,
+    b: *const P,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    step: impl Fn(f32, P, P) -> f32,
+) {
+    let mut acc = [[0.0f32; NR]; MR];
+    if load {
+        for (r, row) in acc.iter_mut().enumerate() {
+            // SAFETY: the caller guarantees MR rows of NR floats at distance ldc.
+            row.copy_from_slice(unsafe { std::slice::from_raw_parts(c.add(r * ldc), NR) });
+        }
+    }
+    for s in 0..steps {
+        // SAFETY: the caller guarantees `steps` steps of MR (A) and NR (B) packed elements.
+        let (a, b) = unsafe {
+            (std::slice::from_raw_parts(a.add(s * MR), MR), std::slice::from_raw_parts(b.add(s * NR), NR))
+        };
+        for (row, &a) in acc.iter_mut().zip(a) {
+            for (x, &b) in row.iter_mut().zip(b) {
+                *x = step(*x, a, b);
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), NR) }.copy_from_slice(row);
+    }
+}
+
+impl Micro for FmaPortable {
+    type Packed = f32;
+    const MR: usize = 6;
+    const NR: usize = 16;
+    const K_PER_STEP: usize = 1;
+    const KC: usize = 256;
+    const MC: usize = 96;
+    const NC: usize = 256;
+
+    unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
+        // SAFETY: forwarded from the caller.
+        unsafe { tile_with::<f32, 6, 16>(steps, a, b, c, ldc, load, |acc, a, b| a.mul_add(b, acc)) }
+    }
+}
+
+impl Micro for DotModel {
+    type Packed = u32;
+    const MR: usize = 6;
+    const NR: usize = 64;
+    const K_PER_STEP: usize = 2;
+    const KC: usize = 128;
+    const MC: usize = 96;
+    const NC: usize = 256;
+
+    unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
+        // SAFETY: forwarded from the caller.
+        unsafe { tile_with::<u32, 6, 64>(steps, a, b, c, ldc, load, dpbf16_pair) }
+    }
+}

@@ -1,0 +1,85 @@
+//! General matrix products for training: `C = A·B` or `C += A·B` with A and B in f32, f16 or bf16,
+//! products accumulated in f32, C in f32, f16 or bf16.
+//!
+//! - **Layouts by strides.** Each operand is a [`MatRef`]: a slice plus row, column and batch strides, so
+//!   a transposed operand (a Linear weight `(out, in)` used as `W^T`) is read in place, and a batch of
+//!   products (attention's `Q·K^T` per head) is one call.
+//! - **Compute precision.** [`Compute`] says what the products are computed from: operands are rounded to
+//!   it while they are packed (a bf16 product of f32 activations needs no separate cast pass), then
+//!   multiplied exactly and summed in f32.
+//! - **Paths.** [`GemmPath`]: `vdpbf16ps` on AVX512-BF16 (bf16 products, k-pairs interleaved while
+//!   packing), f32 FMA on zmm (AVX-512) or ymm (AVX2) registers with half operands widened while packing,
+//!   a portable f32 path, and [`GemmPath::Avx512Bf16Model`], a bit-exact software model of the
+//!   `vdpbf16ps` path that runs on any CPU, so its packing, interleaving, blocking, edges and threading
+//!   are tested everywhere. f16 always computes through f32: no CPU here multiplies f16 quickly.
+//! - **Structure.** Both operands are packed once per call into panels (reusable per-thread buffers: a
+//!   call allocates only when a product is larger than any before it on that thread), then blocks of C
+//!   run in parallel on the current rayon pool, each through a register-blocked micro-kernel. Every
+//!   element of C is summed in the same order whatever the thread count, so results are deterministic.
+//!
+//! ```
+//! use amp_kernels::gemm::{gemm, Compute, Dims, MatMut, MatRef};
+//! use half::bf16;
+//!
+//! // (2 x 3) · (3 x 2), both bf16, C in f32.
+//! let a: Vec<bf16> = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0].map(bf16::from_f32).to_vec();
+//! let b: Vec<bf16> = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0].map(bf16::from_f32).to_vec();
+//! let mut c = vec![0.0f32; 4];
+//! gemm(
+//!     Dims::new(2, 2, 3),
+//!     MatRef::row_major(&a[..], 3),
+//!     MatRef::row_major(&b[..], 2),
+//!     MatMut::row_major(&mut c[..], 2),
+//!     Compute::Bf16,
+//!     false,
+//! )?;
+//! assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);
+//! # Ok::<(), amp_kernels::gemm::GemmError>(())
+//! ```
+
+mod dpbf16;
+mod driver;
+mod layout;
+mod micro;
+mod pack;
+mod path;
+
+pub use dpbf16::{dpbf16_lane, dpbf16_pair};
+pub use layout::{Dims, GemmError, MatMut, MatRef};
+pub use path::{Compute, GemmPath};
+
+/// `C = A·B` (or `C += A·B` when `accumulate`) on the fastest path this CPU has for `compute`
+/// ([`GemmPath::choose`]).
+///
+/// # Errors
+/// [`GemmError`] if an operand's strides reach past its slice, or C's elements overlap.
+pub fn gemm(
+    dims: Dims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: MatMut<'_>,
+    compute: Compute,
+    accumulate: bool,
+) -> Result<(), GemmError> {
+    gemm_with(GemmPath::choose(compute), dims, a, b, c, compute, accumulate)
+}
+
+/// [`gemm`] on an explicit path.
+///
+/// # Errors
+/// As [`gemm`], and [`GemmError::Unsupported`] if this CPU cannot run `path` or `path` cannot compute
+/// in `compute` (only bf16 products run on the `vdpbf16ps` paths).
+pub fn gemm_with(
+    path: GemmPath,
+    dims: Dims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: MatMut<'_>,
+    compute: Compute,
+    accumulate: bool,
+) -> Result<(), GemmError> {
+    path.check(compute)?;
+    layout::check(dims, &a, &b, &c)?;
+    driver::run(path, dims, a, b, c, compute, accumulate);
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! Packing: operands copied into the panels the micro-kernels read, rounded to the compute precision.
+//!
+//! A panel is `width` lines (rows of A, or columns of B) stored step by step: `dst[s * width + l]`. For
+//! the f32 kernels a step is one `k` and the value is the operand rounded to [`Compute`] then widened
+//! (exact); for the bf16 dot-product kernels a step is the pair `(k = 2s, k = 2s + 1)` as one `u32`, the
+//! even `k` in the low half. Lines past the operand's edge and the missing partner of an odd last `k`
+//! are zero, so edge tiles need no special case inside the micro-kernel.
+//!
+//! The source is read in the order its memory is laid out: line by line when `k` is contiguous (a
+//! row-major A, a transposed B), step by step otherwise.
+
+use half::{bf16, f16};
+
+use super::Compute;
+
+/// An operand element type.
+pub(crate) trait Source: Copy + Send + Sync {
+    /// The value rounded to `compute`, as f32 (exact widening).
+    fn rounded(self, compute: Compute) -> f32;
+    /// The value rounded to bf16, as bits.
+    fn bf16_bits(self) -> u16;
+}
+
+impl Source for f32 {
+    #[inline(always)]
+    fn rounded(self, compute: Compute) -> f32 {
+        match compute {
+            Compute::F32 => self,
+            Compute::F16 => f16::from_f32(self).to_f32(),
+            Compute::Bf16 => bf16::from_f32(self).to_f32(),
+        }
+    }
+    #[inline(always)]
+    fn bf16_bits(self) -> u16 {
+        bf16::from_f32(self).to_bits()
+    }
+}
+
+impl Source for f16 {
+    #[inline(always)]
+    fn rounded(self, compute: Compute) -> f32 {
+        match compute {
+            Compute::F32 | Compute::F16 => self.to_f32(),
+            Compute::Bf16 => bf16::from_f32(self.to_f32()).to_f32(),
+        }
+    }
+    #[inline(always)]
+    fn bf16_bits(self) -> u16 {
+        bf16::from_f32(self.to_f32()).to_bits()
+    }
+}
+
+impl Source for bf16 {
+    #[inline(always)]
+    fn rounded(self, compute: Compute) -> f32 {
+        match compute {
+            Compute::F32 | Compute::Bf16 => self.to_f32(),
+            Compute::F16 => f16::from_f32(self.to_f32()).to_f32(),
+        }
+    }
+    #[inline(always)]
+    fn bf16_bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
+/// The lines of one panel inside an operand's slice.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Lines {
+    /// Index of line 0, k 0.
+    pub(crate) base: usize,
+    /// Distance between lines.
+    pub(crate) line_stride: usize,
+    /// Distance between consecutive `k`.
+    pub(crate) k_stride: usize,
+    /// Lines present (at most the panel's width).
+    pub(crate) count: usize,
+    /// Length along `k`.
+    pub(crate) k: usize,
+}
+
+/// A packed element that can be made from any [`Source`].
+pub(crate) trait PackInto: Copy + Default + Send + Sync {
+    /// `k`s per step.
+    const K_PER_STEP: usize;
+    /// Packs one panel (`dst.len() == steps * width`).
+    fn pack<S: Source>(src: &[S], lines: Lines, width: usize, compute: Compute, dst: &mut [Self]);
+    /// A buffer of 32-bit words seen as packed elements (both types are 4 bytes, every bit pattern valid).
+    fn from_words(words: &mut [u32]) -> &mut [Self];
+}
+
+impl PackInto for f32 {
+    const K_PER_STEP: usize = 1;
+
+    fn pack<S: Source>(src: &[S], lines: Lines, width: usize, compute: Compute, dst: &mut [f32]) {
+        fill(src, lines, width, dst, |src, at, _| src[at].rounded(compute));
+    }
+
+    fn from_words(words: &mut [u32]) -> &mut [f32] {
+        // SAFETY: f32 and u32 have the same size and alignment and every u32 is a valid f32.
+        unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), words.len()) }
+    }
+}
+
+impl PackInto for u32 {
+    const K_PER_STEP: usize = 2;
+
+    fn pack<S: Source>(src: &[S], lines: Lines, width: usize, _compute: Compute, dst: &mut [u32]) {
+        let odd_k = lines.k % 2 == 1;
+        let last = lines.k.div_ceil(2).saturating_sub(1);
+        fill(src, lines, width, dst, |src, at, step| {
+            let even = u32::from(src[at].bf16_bits());
+            let odd = if odd_k && step == last { 0 } else { u32::from(src[at + lines.k_stride].bf16_bits()) };
+            even | odd << 16
+        });
+    }
+
+    fn from_words(words: &mut [u32]) -> &mut [u32] {
+        words
+    }
+}
+
+/// `dst[s * width + l] = value(src, index of (line l, k = s * K_PER_STEP), s)`, zero for absent lines.
+#[inline(always)]
+fn fill<S: Source, P: PackInto>(
+    src: &[S],
+    lines: Lines,
+    width: usize,
+    dst: &mut [P],
+    value: impl Fn(&[S], usize, usize) -> P,
+) {
+    let steps = lines.k.div_ceil(P::K_PER_STEP);
+    debug_assert_eq!(dst.len(), steps * width);
+    if lines.count < width {
+        dst.fill(P::default());
+    }
+    let k_step = lines.k_stride * P::K_PER_STEP;
+    if lines.k_stride == 1 && lines.line_stride != 1 {
+        // k contiguous: read each line in order, write with stride `width`.
+        for l in 0..lines.count {
+            let start = lines.base + l * lines.line_stride;
+            for (s, out) in dst[l..].iter_mut().step_by(width).take(steps).enumerate() {
+                *out = value(src, start + s * k_step, s);
+            }
+        }
+    } else {
+        // Lines contiguous (or neither): read step by step.
+        for (s, row) in dst.chunks_exact_mut(width).enumerate() {
+            let start = lines.base + s * k_step;
+            for (l, out) in row[..lines.count].iter_mut().enumerate() {
+                *out = value(src, start + l * lines.line_stride, s);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pairs_interleave_consecutive_k_and_pad_an_odd_last_k_and_absent_lines_with_zero() {
+        // A 2 x 3 row-major matrix packed as rows (k contiguous) into a width-3 panel.
+        let src: Vec<bf16> = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0].map(bf16::from_f32).to_vec();
+        let lines = Lines { base: 0, line_stride: 3, k_stride: 1, count: 2, k: 3 };
+        let mut dst = vec![u32::MAX; 2 * 3];
+        u32::pack(&src, lines, 3, Compute::Bf16, &mut dst);
+        let pair = |even: f32, odd: f32| {
+            u32::from(bf16::from_f32(even).to_bits()) | u32::from(bf16::from_f32(odd).to_bits()) << 16
+        };
+        assert_eq!(dst, [pair(1.0, 2.0), pair(4.0, 5.0), 0, pair(3.0, 0.0), pair(6.0, 0.0), 0]);
+    }
+
+    #[test]
+    fn both_read_orders_pack_the_same_panel() {
+        // The same 3 x 4 matrix stored row-major and column-major, packed as rows.
+        let rows: Vec<f32> = (0..12).map(|x| x as f32 * 0.5).collect();
+        let cols: Vec<f32> = (0..12).map(|i| rows[(i % 3) * 4 + i / 3]).collect();
+        let by_row = Lines { base: 0, line_stride: 4, k_stride: 1, count: 3, k: 4 };
+        let by_col = Lines { base: 0, line_stride: 1, k_stride: 3, count: 3, k: 4 };
+        let (mut x, mut y) = (vec![0.0f32; 16], vec![0.0f32; 16]);
+        f32::pack(&rows, by_row, 4, Compute::F32, &mut x);
+        f32::pack(&cols, by_col, 4, Compute::F32, &mut y);
+        assert_eq!(x, y);
+        assert_eq!(&x[..4], &[0.0, 2.0, 4.0, 0.0]);
+    }
+
+    #[test]
+    fn f32_operands_are_rounded_to_the_compute_precision() {
+        let x = 1.0 + 2f32.powi(-12);
+        assert_eq!(x.rounded(Compute::F32), x);
+        assert_eq!(x.rounded(Compute::F16), 1.0);
+        assert_eq!(x.rounded(Compute::Bf16), 1.0);
+        assert_eq!((1.0f32 + 2f32.powi(-9)).rounded(Compute::F16), 1.0 + 2f32.powi(-9));
+    }
+}

@@ -1,0 +1,147 @@
+//! Which micro-kernel computes a product, and why.
+
+use std::fmt;
+
+use super::layout::GemmError;
+use crate::Isa;
+
+/// What the products of a GEMM are computed from. Operands in another dtype are rounded to it (round to
+/// nearest even, as `half` rounds) while they are packed; products are exact and summed in f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Compute {
+    /// f32 operands (f16 and bf16 operands are widened, exactly).
+    F32,
+    /// Operands rounded to f16. Computed through f32 on every CPU path.
+    F16,
+    /// Operands rounded to bf16: `vdpbf16ps` where the CPU has it, f32 FMA on widened values elsewhere.
+    Bf16,
+}
+
+/// A GEMM code path: a micro-kernel and the packing it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmPath {
+    /// `vdpbf16ps`: 6 x 64 tiles of f32 accumulators, two bf16 products per lane per instruction, both
+    /// operands packed with k-pairs interleaved. Bf16 products only.
+    Avx512Bf16,
+    /// The [`GemmPath::Avx512Bf16`] algorithm (same packing, blocking, tiles and threading) with each
+    /// `vdpbf16ps` replaced by its software model ([`super::dpbf16_pair`]): bit-identical results on any
+    /// CPU. Slow; for tests.
+    Avx512Bf16Model,
+    /// f32 FMA on zmm registers, 6 x 64 tiles; half operands widened while packing.
+    Avx512,
+    /// f32 FMA on ymm registers, 6 x 16 tiles; half operands widened while packing.
+    Avx2,
+    /// f32 fused multiply-adds in plain Rust, 6 x 16 tiles: bit-identical to [`GemmPath::Avx2`] and
+    /// [`GemmPath::Avx512`], which perform the same FMAs in the same order.
+    Portable,
+}
+
+impl GemmPath {
+    /// Every path, fastest first.
+    pub const ALL: [GemmPath; 5] = [
+        GemmPath::Avx512Bf16,
+        GemmPath::Avx512,
+        GemmPath::Avx2,
+        GemmPath::Portable,
+        GemmPath::Avx512Bf16Model,
+    ];
+
+    /// The fastest path this CPU has for `compute`.
+    #[must_use]
+    pub fn choose(compute: Compute) -> GemmPath {
+        GemmPath::choose_for(compute, Isa::detect())
+    }
+
+    /// The path [`GemmPath::choose`] picks on a CPU whose best level is `isa`.
+    #[must_use]
+    pub fn choose_for(compute: Compute, isa: Isa) -> GemmPath {
+        match isa {
+            Isa::Avx512Bf16 if compute == Compute::Bf16 => GemmPath::Avx512Bf16,
+            Isa::Avx512Bf16 | Isa::Avx512 => GemmPath::Avx512,
+            Isa::Avx2 => GemmPath::Avx2,
+            Isa::Portable => GemmPath::Portable,
+        }
+    }
+
+    /// The instruction-set level this path needs.
+    #[must_use]
+    pub fn isa(self) -> Isa {
+        match self {
+            GemmPath::Avx512Bf16 => Isa::Avx512Bf16,
+            GemmPath::Avx512 => Isa::Avx512,
+            GemmPath::Avx2 => Isa::Avx2,
+            GemmPath::Portable | GemmPath::Avx512Bf16Model => Isa::Portable,
+        }
+    }
+
+    /// Whether this path multiplies bf16 pairs (`vdpbf16ps` or its model) rather than f32 values.
+    #[must_use]
+    pub fn is_bf16_dot(self) -> bool {
+        matches!(self, GemmPath::Avx512Bf16 | GemmPath::Avx512Bf16Model)
+    }
+
+    /// Whether this CPU can run the path.
+    #[must_use]
+    pub fn is_supported(self) -> bool {
+        self.isa().is_supported()
+    }
+
+    /// Every path this CPU can run, fastest first.
+    pub fn supported() -> impl Iterator<Item = GemmPath> {
+        GemmPath::ALL.into_iter().filter(|p| p.is_supported())
+    }
+
+    /// Ok if this CPU runs the path and the path computes in `compute`.
+    pub(crate) fn check(self, compute: Compute) -> Result<(), GemmError> {
+        if !self.is_supported() {
+            let reason = format!("this CPU lacks {} (see /proc/cpuinfo)", self.isa().features());
+            return Err(GemmError::Unsupported { path: self, reason });
+        }
+        if self.is_bf16_dot() && compute != Compute::Bf16 {
+            let reason = format!("it multiplies bf16 pairs only, and {compute:?} products were asked for");
+            return Err(GemmError::Unsupported { path: self, reason });
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for GemmPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GemmPath::Avx512Bf16 => "avx512-bf16 (vdpbf16ps)",
+            GemmPath::Avx512Bf16Model => "avx512-bf16 software model",
+            GemmPath::Avx512 => "avx512 f32 fma",
+            GemmPath::Avx2 => "avx2 f32 fma",
+            GemmPath::Portable => "portable f32 fma",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_products_take_the_dot_product_only_where_the_cpu_has_it() {
+        assert_eq!(GemmPath::choose_for(Compute::Bf16, Isa::Avx512Bf16), GemmPath::Avx512Bf16);
+        assert_eq!(GemmPath::choose_for(Compute::Bf16, Isa::Avx512), GemmPath::Avx512);
+        assert_eq!(GemmPath::choose_for(Compute::Bf16, Isa::Avx2), GemmPath::Avx2);
+        assert_eq!(GemmPath::choose_for(Compute::F16, Isa::Avx512Bf16), GemmPath::Avx512);
+        assert_eq!(GemmPath::choose_for(Compute::F32, Isa::Avx512Bf16), GemmPath::Avx512);
+        assert_eq!(GemmPath::choose_for(Compute::F32, Isa::Portable), GemmPath::Portable);
+    }
+
+    #[test]
+    fn the_model_runs_everywhere_but_only_for_bf16_products() {
+        assert!(GemmPath::Avx512Bf16Model.check(Compute::Bf16).is_ok());
+        let err = GemmPath::Avx512Bf16Model.check(Compute::F32).unwrap_err();
+        assert!(err.to_string().contains("bf16 pairs only"), "{err}");
+    }
+
+    #[test]
+    fn the_chosen_path_is_always_supported() {
+        for compute in [Compute::F32, Compute::F16, Compute::Bf16] {
+            assert!(GemmPath::choose(compute).check(compute).is_ok());
+        }
+    }
+}

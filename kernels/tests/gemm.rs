@@ -1,0 +1,385 @@
+//! The GEMM against its f64 reference on every path, and the paths against each other bit for bit.
+
+mod common;
+
+use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmError, GemmPath, MatMut, MatRef};
+use amp_kernels::reference;
+use amp_kernels::Dtype;
+use common::{assert_same, Owned, Rng};
+use proptest::prelude::*;
+
+/// A stored operand: its elements and the strides of its logical `(rows x cols)` view.
+#[derive(Clone)]
+struct Stored {
+    data: Owned,
+    row_stride: usize,
+    col_stride: usize,
+    batch_stride: usize,
+}
+
+impl Stored {
+    /// `batch` matrices of `rows x cols` from `values`, stored row-major or (when `transposed`)
+    /// column-major, each line padded by `pad` elements, matrices `gap` elements apart.
+    fn new(
+        values: &[f32],
+        dtype: Dtype,
+        (batch, rows, cols): (usize, usize, usize),
+        transposed: bool,
+        pad: usize,
+    ) -> Stored {
+        let (lines, len) = if transposed { (cols, rows) } else { (rows, cols) };
+        let ld = len + pad;
+        let batch_stride = lines * ld + 3;
+        let mut flat = vec![f32::NAN; batch * batch_stride];
+        for b in 0..batch {
+            for i in 0..rows {
+                for j in 0..cols {
+                    let at = if transposed { j * ld + i } else { i * ld + j };
+                    flat[b * batch_stride + at] = values[(b * rows + i) * cols + j];
+                }
+            }
+        }
+        let (row_stride, col_stride) = if transposed { (1, ld) } else { (ld, 1) };
+        Stored { data: Owned::new(dtype, &flat), row_stride, col_stride, batch_stride }
+    }
+
+    fn view(&self) -> MatRef<'_> {
+        MatRef {
+            data: self.data.view(),
+            row_stride: self.row_stride,
+            col_stride: self.col_stride,
+            batch_stride: self.batch_stride,
+        }
+    }
+}
+
+/// One product to run: shapes, layouts, dtypes.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    dims: Dims,
+    a: (Dtype, bool),
+    b: (Dtype, bool),
+    out: Dtype,
+    compute: Compute,
+    accumulate: bool,
+}
+
+struct Inputs {
+    a: Stored,
+    b: Stored,
+    c0: Vec<f32>,
+}
+
+fn inputs(case: &Case, rng: &mut Rng, lo: i32, hi: i32) -> Inputs {
+    let Dims { batch, m, n, k } = case.dims;
+    let a = Stored::new(&rng.vec(batch * m * k, lo, hi), case.a.0, (batch, m, k), case.a.1, 1);
+    let b = Stored::new(&rng.vec(batch * k * n, lo, hi), case.b.0, (batch, k, n), case.b.1, 0);
+    let c0 = rng.vec(batch * m * n, lo, hi);
+    Inputs { a, b, c0 }
+}
+
+/// C after the product on `path` (row-major, f32 view of the output dtype).
+fn run(path: GemmPath, case: &Case, x: &Inputs) -> Vec<f32> {
+    let mut c = Owned::new(case.out, &x.c0);
+    let Dims { m, n, .. } = case.dims;
+    let out = MatMut { data: c.view_mut(), row_stride: n, batch_stride: m * n };
+    gemm_with(path, case.dims, x.a.view(), x.b.view(), out, case.compute, case.accumulate).unwrap();
+    c.to_f32()
+}
+
+fn out_unit(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F32 => 2f64.powi(-24),
+        Dtype::F16 => 2f64.powi(-11),
+        Dtype::Bf16 => 2f64.powi(-8),
+    }
+}
+
+/// Asserts `got` is within the reference's bound, element by element.
+fn assert_within_bound(path: GemmPath, case: &Case, x: &Inputs, got: &[f32]) {
+    let want = reference::gemm(case.dims, x.a.view(), x.b.view(), case.compute);
+    let c0 = Owned::new(case.out, &x.c0).to_f32();
+    for (i, &g) in got.iter().enumerate() {
+        let base = if case.accumulate { f64::from(c0[i]) } else { 0.0 };
+        let (w, bound) = (want.c[i] + base, want.bound(i, base, out_unit(case.out)));
+        // Past the output format's largest finite value (f16: 65504) the result is that sign's infinity.
+        let may_overflow = w.abs() + bound > largest(case.out);
+        if may_overflow && g.is_infinite() && (g > 0.0) == (w > 0.0) {
+            continue;
+        }
+        assert!(
+            (f64::from(g) - w).abs() <= bound,
+            "{path} {case:?}: C[{i}] = {g:e}, reference {w:e}, bound {bound:e}"
+        );
+    }
+}
+
+/// The largest finite value of `dtype`.
+fn largest(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F32 => f64::from(f32::MAX),
+        Dtype::F16 => f64::from(half::f16::MAX.to_f32()),
+        Dtype::Bf16 => f64::from(half::bf16::MAX.to_f32()),
+    }
+}
+
+fn dtype() -> impl Strategy<Value = Dtype> {
+    prop_oneof![Just(Dtype::F32), Just(Dtype::F16), Just(Dtype::Bf16)]
+}
+
+fn compute() -> impl Strategy<Value = Compute> {
+    prop_oneof![Just(Compute::F32), Just(Compute::F16), Just(Compute::Bf16)]
+}
+
+/// Shapes 1..300 in each dimension (edges of every tile and block size), at most ~2.5 M terms so that
+/// the f64 reference stays quick; batches of 1 to 3.
+fn case() -> impl Strategy<Value = Case> {
+    let dims = (1usize..=3, 1usize..300, 1usize..300, 1usize..300)
+        .prop_filter("bounded work", |&(b, m, n, k)| b * m * n * k <= 2_500_000)
+        .prop_map(|(batch, m, n, k)| Dims { batch, m, n, k });
+    (dims, (dtype(), any::<bool>()), (dtype(), any::<bool>()), dtype(), compute(), any::<bool>())
+        .prop_map(|(dims, a, b, out, compute, accumulate)| Case { dims, a, b, out, compute, accumulate })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Every path this CPU runs (and the software model of the bf16 path) is within `gamma_k sum|ab|` of
+    /// the f64 product of the rounded operands, on random shapes, layouts, dtypes and batch strides.
+    #[test]
+    fn every_path_is_within_the_f32_accumulation_bound_of_the_f64_reference(case in case(), seed in any::<u64>()) {
+        let x = inputs(&case, &mut Rng(seed), -6, 6);
+        for path in GemmPath::supported().filter(|p| !p.is_bf16_dot() || case.compute == Compute::Bf16) {
+            assert_within_bound(path, &case, &x, &run(path, &case, &x));
+        }
+    }
+}
+
+/// Shapes that cut every tile and block edge of every path, batched and not, all layouts.
+fn edge_cases(compute: Compute, out: Dtype, accumulate: bool) -> Vec<Case> {
+    let shapes = [
+        (1, 1, 1, 1),
+        (1, 1, 64, 1),
+        (1, 7, 65, 3),
+        (2, 6, 64, 2),
+        (1, 97, 257, 257),
+        (3, 13, 129, 130),
+        (1, 16, 300, 64),
+    ];
+    let mut cases = Vec::new();
+    for (batch, m, n, k) in shapes {
+        for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
+            let dims = Dims { batch, m, n, k };
+            cases.push(Case { dims, a: (Dtype::Bf16, a_t), b: (Dtype::Bf16, b_t), out, compute, accumulate });
+        }
+    }
+    cases
+}
+
+/// Values that exercise the instruction's corners: denormals (read as zero), infinities, NaN, products
+/// that overflow f32 or land near its smallest normal, signed zeros, ordinary values.
+fn special(rng: &mut Rng) -> f32 {
+    match rng.next_u64() % 12 {
+        0 => f32::from_bits(0x0001_0000) * if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 },
+        1 => 2f32.powi(-63) * (1.0 + rng.unit()),
+        2 => 2f32.powi(60) * (1.0 + rng.unit()),
+        3 if rng.next_u64().is_multiple_of(8) => f32::INFINITY,
+        4 if rng.next_u64().is_multiple_of(16) => f32::NAN,
+        5 => -0.0,
+        _ => rng.spread(-4, 4),
+    }
+}
+
+#[test]
+fn the_avx512_bf16_kernel_is_bit_identical_to_its_software_model() {
+    if !GemmPath::Avx512Bf16.is_supported() {
+        eprintln!("skipped: this CPU has no avx512_bf16; the model's own tests still run");
+        return;
+    }
+    let mut rng = Rng(7);
+    for out in [Dtype::F32, Dtype::Bf16] {
+        for accumulate in [false, true] {
+            for case in edge_cases(Compute::Bf16, out, accumulate) {
+                for special_values in [false, true] {
+                    let mut x = inputs(&case, &mut rng, -8, 8);
+                    if special_values {
+                        let Dims { batch, m, n, k } = case.dims;
+                        let values = |rng: &mut Rng, len| (0..len).map(|_| special(rng)).collect::<Vec<_>>();
+                        x.a = Stored::new(
+                            &values(&mut rng, batch * m * k),
+                            Dtype::Bf16,
+                            (batch, m, k),
+                            case.a.1,
+                            1,
+                        );
+                        x.b = Stored::new(
+                            &values(&mut rng, batch * k * n),
+                            Dtype::Bf16,
+                            (batch, k, n),
+                            case.b.1,
+                            0,
+                        );
+                        x.c0 = values(&mut rng, batch * m * n);
+                    }
+                    let hw = run(GemmPath::Avx512Bf16, &case, &x);
+                    let model = run(GemmPath::Avx512Bf16Model, &case, &x);
+                    assert_same(&format!("{case:?} special={special_values}"), &hw, &model);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_software_model_is_within_the_bound_on_every_edge_shape() {
+    let mut rng = Rng(11);
+    for case in edge_cases(Compute::Bf16, Dtype::F32, true) {
+        let x = inputs(&case, &mut rng, -6, 6);
+        assert_within_bound(GemmPath::Avx512Bf16Model, &case, &x, &run(GemmPath::Avx512Bf16Model, &case, &x));
+    }
+}
+
+#[test]
+fn simd_f32_paths_are_bit_identical_to_the_portable_path() {
+    let mut rng = Rng(3);
+    for compute in [Compute::F32, Compute::F16, Compute::Bf16] {
+        for mut case in edge_cases(compute, Dtype::F32, true) {
+            case.a.0 = Dtype::F32;
+            let x = inputs(&case, &mut rng, -10, 10);
+            let portable = run(GemmPath::Portable, &case, &x);
+            for path in GemmPath::supported().filter(|p| !p.is_bf16_dot() && *p != GemmPath::Portable) {
+                assert_same(&format!("{path} {case:?}"), &run(path, &case, &x), &portable);
+            }
+        }
+    }
+}
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    let case = Case {
+        dims: Dims { batch: 2, m: 200, n: 300, k: 700 },
+        a: (Dtype::Bf16, false),
+        b: (Dtype::Bf16, true),
+        out: Dtype::F32,
+        compute: Compute::Bf16,
+        accumulate: false,
+    };
+    let x = inputs(&case, &mut Rng(5), -4, 4);
+    let pool = |threads| rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    for path in GemmPath::supported() {
+        let one = pool(1).install(|| run(path, &case, &x));
+        let three = pool(3).install(|| run(path, &case, &x));
+        assert_same(&format!("{path}"), &one, &three);
+    }
+}
+
+#[test]
+fn half_output_is_the_f32_result_rounded_once() {
+    let mut rng = Rng(9);
+    for out in [Dtype::F16, Dtype::Bf16] {
+        for accumulate in [false, true] {
+            for mut case in edge_cases(Compute::Bf16, out, accumulate) {
+                let x = inputs(&case, &mut rng, -4, 4);
+                for path in GemmPath::supported() {
+                    let half = run(path, &case, &x);
+                    // The same product into f32, from C widened, then rounded: the same bits.
+                    case.out = Dtype::F32;
+                    let wide_inputs =
+                        Inputs { a: x.a.clone(), b: x.b.clone(), c0: Owned::new(out, &x.c0).to_f32() };
+                    let full = run(path, &case, &wide_inputs);
+                    case.out = out;
+                    assert_same(&format!("{path} {case:?}"), &half, &Owned::new(out, &full).to_f32());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn k_zero_writes_zeros_or_leaves_c_when_accumulating() {
+    for path in GemmPath::supported() {
+        for accumulate in [false, true] {
+            let (a, b) = (vec![0.0f32; 0], vec![0.0f32; 0]);
+            let mut c = vec![5.0f32; 6];
+            let dims = Dims::new(2, 3, 0);
+            let out = MatMut::row_major(&mut c[..], 3);
+            gemm_with(
+                path,
+                dims,
+                MatRef::row_major(&a[..], 0),
+                MatRef::row_major(&b[..], 3),
+                out,
+                Compute::Bf16,
+                accumulate,
+            )
+            .unwrap();
+            assert_eq!(c, [if accumulate { 5.0 } else { 0.0 }; 6], "{path} accumulate={accumulate}");
+        }
+    }
+}
+
+#[test]
+fn bad_views_are_refused_and_nothing_is_written() {
+    let (a, b) = (vec![1.0f32; 6], vec![1.0f32; 6]);
+    let mut c = vec![7.0f32; 4];
+    let path = GemmPath::Portable;
+    // A is 2 x 3 but declared with row stride 4: element (1, 2) is index 6, past the end.
+    let bad_a = MatRef { data: a[..].into(), row_stride: 4, col_stride: 1, batch_stride: 0 };
+    let err = gemm_with(
+        path,
+        Dims::new(2, 2, 3),
+        bad_a,
+        MatRef::row_major(&b[..], 2),
+        MatMut::row_major(&mut c[..], 2),
+        Compute::F32,
+        false,
+    )
+    .unwrap_err();
+    assert!(matches!(err, GemmError::OutOfBounds { operand: "A", needed: 7, len: 6, .. }), "{err}");
+    assert!(err.to_string().contains("check its strides"), "{err}");
+    // C rows overlapping: row stride 1 for 2 columns.
+    let overlap = MatMut { data: (&mut c[..]).into(), row_stride: 1, batch_stride: 0 };
+    let err = gemm_with(
+        path,
+        Dims::new(2, 2, 3),
+        MatRef::row_major(&a[..], 3),
+        MatRef::row_major(&b[..], 2),
+        overlap,
+        Compute::F32,
+        false,
+    )
+    .unwrap_err();
+    assert!(matches!(err, GemmError::OverlappingOutput { .. }), "{err}");
+    // A stride product that overflows usize is refused, not wrapped.
+    let huge = MatRef { data: a[..].into(), row_stride: usize::MAX / 2, col_stride: 1, batch_stride: 0 };
+    let err = gemm_with(
+        path,
+        Dims::new(3, 2, 3),
+        huge,
+        MatRef::row_major(&b[..], 2),
+        MatMut::row_major(&mut c[..], 2),
+        Compute::F32,
+        false,
+    );
+    assert!(matches!(err, Err(GemmError::OutOfBounds { needed: usize::MAX, .. })), "{err:?}");
+    assert_eq!(c, [7.0; 4]);
+}
+
+#[test]
+fn forcing_a_path_the_cpu_lacks_names_the_missing_features() {
+    for path in GemmPath::ALL.into_iter().filter(|p| !p.is_supported()) {
+        let (a, b) = ([1.0f32; 1], [1.0f32; 1]);
+        let mut c = [0.0f32; 1];
+        let err = gemm_with(
+            path,
+            Dims::new(1, 1, 1),
+            MatRef::row_major(&a[..], 1),
+            MatRef::row_major(&b[..], 1),
+            MatMut::row_major(&mut c[..], 1),
+            Compute::Bf16,
+            false,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("this CPU lacks"), "{err}");
+    }
+}
