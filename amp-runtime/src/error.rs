@@ -37,6 +37,16 @@ pub enum Error {
         given: String,
     },
 
+    // ---- matrix products ----
+    /// A GEMM path was forced that this CPU cannot run.
+    #[error("GEMM path `{path}` cannot run here: this CPU lacks {features} (see /proc/cpuinfo); use Override::Auto")]
+    GemmPathUnsupported {
+        /// The path asked for.
+        path: amp_kernels::gemm::GemmPath,
+        /// The CPU features it needs.
+        features: &'static str,
+    },
+
     // ---- checkpoints ----
     /// A checkpoint could not be read or written.
     #[error("checkpoint {}: {reason}", path.display())]

@@ -1,7 +1,9 @@
 //! Fully connected layer: `y = x W^T + b`.
 //!
 //! Shapes: `x` is `(.., in)`, `W` is `(out, in)`, `b` is `(out)`, `y` is `(.., out)`. The product runs in
-//! the compute precision with f32 accumulation (candle's kernels accumulate half products in f32).
+//! the compute precision with f32 accumulation ([`crate::ops::matmul_to`]: amp's GEMM on the CPU, the
+//! weight read transposed in place), the bias is added in f32, and the result is rounded once to the
+//! layer's output precision.
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
@@ -51,22 +53,12 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let compute = self.precision.compute;
-        let x = xs.to_dtype(compute.dtype())?;
+        let out = self.precision.output.map_or(xs.dtype(), |p| p.dtype());
         let w = self.weight.in_precision(compute)?;
-        let w = match *x.dims() {
-            [b1, b2, _, _] => w.broadcast_left((b1, b2))?.t()?,
-            [b, _, _] => w.broadcast_left(b)?.t()?,
-            _ => w.t()?,
-        };
-        let mut y = x.matmul(&w)?;
-        if let Some(bias) = &self.bias {
-            // In f32: the bias gradient sums the upstream gradient over the batch, and that sum must not
-            // accumulate in half precision. The result is rounded once, by the output cast.
-            y = y
-                .to_dtype(candle_core::DType::F32)?
-                .broadcast_add(&bias.in_precision(crate::Precision::Fp32)?)?;
-        }
-        super::cast_output(y, self.precision, xs.dtype())
+        // The bias in f32: its gradient sums the upstream gradient over the batch, and that sum must not
+        // accumulate in half precision. The product is summed in f32 and rounded once, to `out`.
+        let bias = self.bias.as_ref().map(|b| b.in_precision(crate::Precision::Fp32)).transpose()?;
+        crate::ops::linear_to(xs, &w, bias.as_ref(), compute, out)
     }
 }
 

@@ -26,6 +26,7 @@
 //! ```
 
 mod fp32;
+mod gemm;
 pub mod loss;
 mod promote;
 
@@ -33,36 +34,57 @@ pub use fp32::{
     cumsum, exp, log, log_softmax, mean, mean_all, mean_keepdim, norm, pow, softmax, std, sum, sum_all,
     sum_keepdim, var,
 };
+pub use gemm::matmul_to;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 
 use candle_core::{DType, Result, Tensor};
 
 use crate::Precision;
 
-/// `a @ b` with both operands cast to `compute` (batch dimensions broadcast), result in `compute`.
+/// `a @ b` with both operands rounded to `compute` (batch dimensions broadcast), result in `compute`.
 ///
-/// candle's matmul kernels accumulate f16 and bf16 products in f32, so the only roundings are those of
-/// the two operands and of the result.
+/// Products accumulate in f32, so the only roundings are those of the two operands and of the result.
+/// On the CPU amp's GEMM computes it and rounds the operands while packing them (no cast pass); see
+/// [`crate::dispatch`] for which kernel runs and [`matmul_to`] for another output dtype.
 pub fn matmul(a: &Tensor, b: &Tensor, compute: Precision) -> Result<Tensor> {
-    let dtype = compute.dtype();
-    a.to_dtype(dtype)?.broadcast_matmul(&b.to_dtype(dtype)?)
+    matmul_to(a, b, compute, compute.dtype())
 }
 
 /// `x W^T + b` in `compute`, with `x` of shape `(.., in)`, `weight` `(out, in)` and `bias` `(out)`;
 /// result `(.., out)` in `compute`.
 ///
-/// The product is rounded to `compute`, the bias added in f32 and the sum rounded once more (a GEMM
-/// epilogue's order); the bias gradient, a sum over every row, then accumulates in f32, not in half.
+/// The product is summed in f32, the bias added in f32 and the sum rounded once (a GEMM epilogue's
+/// order); the bias gradient, a sum over every row, then accumulates in f32, not in half.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, compute: Precision) -> Result<Tensor> {
-    let dtype = compute.dtype();
-    let y = x.to_dtype(dtype)?.broadcast_matmul(&weight.to_dtype(dtype)?.t()?)?;
-    match bias {
-        Some(bias) if dtype != DType::F32 => {
-            y.to_dtype(DType::F32)?.broadcast_add(&bias.to_dtype(DType::F32)?)?.to_dtype(dtype)
-        }
-        Some(bias) => y.broadcast_add(&bias.to_dtype(dtype)?),
-        None => Ok(y),
+    linear_to(x, weight, bias, compute, compute.dtype())
+}
+
+/// [`linear`] with the result in `out`: leading dimensions of `x` are folded into the rows of one
+/// product (the weight is read once, transposed in place).
+pub(crate) fn linear_to(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    compute: Precision,
+    out: DType,
+) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let features =
+        *dims.last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
+    let rows = x.elem_count() / features.max(1);
+    let x2 = if dims.len() == 2 { x.clone() } else { x.reshape((rows, features))? };
+    let y = match bias {
+        Some(bias) => matmul_to(&x2, &weight.t()?, compute, DType::F32)?
+            .broadcast_add(&bias.to_dtype(DType::F32)?)?
+            .to_dtype(out)?,
+        None => matmul_to(&x2, &weight.t()?, compute, out)?,
+    };
+    if dims.len() == 2 {
+        return Ok(y);
     }
+    let mut shape = dims;
+    *shape.last_mut().expect("checked non-empty above") = y.dim(1)?;
+    y.reshape(shape)
 }
 
 /// The dtype an fp32-class op computes in: f16 and bf16 widen to f32; f32, f64 and integers stay.

@@ -1,0 +1,192 @@
+//! Matrix products routed by [`crate::dispatch`]: amp's CPU GEMM as a candle op with a backward pass,
+//! or candle's matmul.
+//!
+//! The op reads its operands in place through their strides (a transposed weight, a broadcast batch),
+//! rounds them to the compute precision while packing, sums in f32 and writes the requested output
+//! dtype once. Its backward runs the same GEMM: `dA = dC·B^T` and `dB = A^T·dC`, each written in its
+//! operand's dtype, with `dC` rounded to the compute precision as the forward's operands were.
+
+use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use crate::dispatch::{self, compute_of, MatmulKernel};
+use crate::Precision;
+
+/// `a @ b` (shapes `(.., m, k)` and `(.., k, n)`, batch dimensions broadcast) with the operands rounded
+/// to `compute`, products summed in f32, result `(.., m, n)` in `out`.
+///
+/// # Errors
+/// On mismatched shapes, or dtypes the kernel does not take (candle's error).
+pub fn matmul_to(a: &Tensor, b: &Tensor, compute: Precision, out: DType) -> Result<Tensor> {
+    let (a, b) = broadcast_batch(a, b)?;
+    let dims = dims_of(&a, &b)?;
+    match dispatch::explain(a.device(), compute, dims).kernel {
+        MatmulKernel::Amp(path) if is_float(a.dtype()) && is_float(b.dtype()) && is_float(out) => {
+            gemm_op(&a, &b, path, compute_of(compute), out)
+        }
+        _ => {
+            let dtype = compute.dtype();
+            a.to_dtype(dtype)?.matmul(&b.to_dtype(dtype)?)?.to_dtype(out)
+        }
+    }
+}
+
+fn is_float(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// The product's sizes (batch dimensions folded).
+fn dims_of(a: &Tensor, b: &Tensor) -> Result<Dims> {
+    let (ad, bd) = (a.dims(), b.dims());
+    if ad.len() < 2
+        || ad.len() != bd.len()
+        || ad[..ad.len() - 2] != bd[..bd.len() - 2]
+        || ad[ad.len() - 1] != bd[bd.len() - 2]
+    {
+        return Err(candle_core::Error::ShapeMismatchBinaryOp {
+            lhs: a.shape().clone(),
+            rhs: b.shape().clone(),
+            op: "matmul",
+        });
+    }
+    let r = ad.len();
+    Ok(Dims { batch: ad[..r - 2].iter().product(), m: ad[r - 2], k: ad[r - 1], n: bd[r - 1] })
+}
+
+/// Both operands with the same batch dimensions (numpy rules), as views where possible.
+fn broadcast_batch(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (ar, br) = (a.rank(), b.rank());
+    if ar < 2 || br < 2 {
+        return Err(candle_core::Error::ShapeMismatchBinaryOp {
+            lhs: a.shape().clone(),
+            rhs: b.shape().clone(),
+            op: "matmul",
+        });
+    }
+    let rank = ar.max(br);
+    let batch_of = |t: &Tensor| -> Vec<usize> {
+        let d = t.dims();
+        let mut v = vec![1; rank - t.rank()];
+        v.extend_from_slice(&d[..d.len() - 2]);
+        v
+    };
+    let (ab, bb) = (batch_of(a), batch_of(b));
+    let mut batch = Vec::with_capacity(rank - 2);
+    for (&x, &y) in ab.iter().zip(&bb) {
+        match (x, y) {
+            _ if x == y => batch.push(x),
+            (1, _) => batch.push(y),
+            (_, 1) => batch.push(x),
+            _ => {
+                return Err(candle_core::Error::ShapeMismatchBinaryOp {
+                    lhs: a.shape().clone(),
+                    rhs: b.shape().clone(),
+                    op: "matmul",
+                })
+            }
+        }
+    }
+    let expand = |t: &Tensor| -> Result<Tensor> {
+        let d = t.dims();
+        let mut shape = batch.clone();
+        shape.extend_from_slice(&d[d.len() - 2..]);
+        if shape == d {
+            Ok(t.clone())
+        } else {
+            t.broadcast_as(shape)
+        }
+    };
+    Ok((expand(a)?, expand(b)?))
+}
+
+/// Applies the GEMM op; batch dimensions beyond one are folded first (a copy only when they cannot be
+/// folded in place).
+fn gemm_op(a: &Tensor, b: &Tensor, path: GemmPath, compute: Compute, out: DType) -> Result<Tensor> {
+    let rank = a.rank();
+    if rank <= 3 {
+        return a.apply_op2(b, GemmOp { path, compute, out });
+    }
+    let fold = |t: &Tensor| -> Result<Tensor> {
+        let d = t.dims();
+        t.reshape((d[..rank - 2].iter().product::<usize>(), d[rank - 2], d[rank - 1]))
+    };
+    let y = fold(a)?.apply_op2(&fold(b)?, GemmOp { path, compute, out })?;
+    let mut shape = a.dims()[..rank - 1].to_vec();
+    shape.push(b.dim(rank - 1)?);
+    y.reshape(shape)
+}
+
+/// The candle op: one amp GEMM, with a backward pass of two more.
+#[derive(Clone, Copy, Debug)]
+struct GemmOp {
+    path: GemmPath,
+    compute: Compute,
+    out: DType,
+}
+
+/// An operand's elements and strides, from its storage and layout (rank 2 or 3).
+fn operand<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<(MatRef<'a>, usize, [usize; 2])> {
+    let (dims, strides, start) = (layout.dims(), layout.stride(), layout.start_offset());
+    let data: amp_kernels::GradSlice<'a> = match storage {
+        CpuStorage::F32(v) => v[start..].into(),
+        CpuStorage::F16(v) => v[start..].into(),
+        CpuStorage::BF16(v) => v[start..].into(),
+        other => {
+            return Err(candle_core::Error::UnsupportedDTypeForOp(
+                other.dtype(),
+                "amp gemm (f32, f16, bf16)",
+            ));
+        }
+    };
+    let r = dims.len();
+    let (batch, batch_stride) = if r == 3 { (dims[0], strides[0]) } else { (1, 0) };
+    let view = MatRef { data, row_stride: strides[r - 2], col_stride: strides[r - 1], batch_stride };
+    Ok((view, batch, [dims[r - 2], dims[r - 1]]))
+}
+
+impl CustomOp2 for GemmOp {
+    fn name(&self) -> &'static str {
+        "amp-gemm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (a, batch, [m, k]) = operand(s1, l1)?;
+        let (b, _, [_, n]) = operand(s2, l2)?;
+        let dims = Dims { batch, m, n, k };
+        let len = batch * m * n;
+        let mut storage = match self.out {
+            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; len]),
+            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; len]),
+            _ => CpuStorage::F32(vec![0.0; len]),
+        };
+        let data: amp_kernels::GradSliceMut<'_> = match &mut storage {
+            CpuStorage::F16(v) => (&mut v[..]).into(),
+            CpuStorage::BF16(v) => (&mut v[..]).into(),
+            CpuStorage::F32(v) => (&mut v[..]).into(),
+            _ => unreachable!("allocated just above as f32, f16 or bf16"),
+        };
+        let c = MatMut { data, row_stride: n, batch_stride: m * n };
+        gemm_with(self.path, dims, a, b, c, self.compute, false).map_err(candle_core::Error::wrap)?;
+        let shape: Shape = if l1.dims().len() == 3 { (batch, m, n).into() } else { (m, n).into() };
+        Ok((storage, shape))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let da = grad.apply_op2(&b.t()?, GemmOp { out: a.dtype(), ..*self })?;
+        let db = a.t()?.apply_op2(grad, GemmOp { out: b.dtype(), ..*self })?;
+        Ok((Some(da), Some(db)))
+    }
+}

@@ -1,0 +1,194 @@
+//! amp's GEMM as a candle op: forward and both gradients against f64 references, every layout the
+//! layers use, and the dispatcher's choices.
+//!
+//! Tolerance: each element is a sum of `k` exact products of the rounded operands, accumulated in f32
+//! (`gamma_k sum|ab|`, `gamma_k ~ k 2^-24`), then rounded once to the output dtype (`u_out |c|`). The
+//! gradients are the same kind of sum over the other dimension, of `dC` rounded to the compute
+//! precision. The f64 references below round exactly the operands the kernel rounds, so the bound is
+//! the kernel's own error, not the precision's.
+
+use amp::dispatch::{self, Compute, Dims, GemmPath, MatmulKernel, Override};
+use amp::{ops, Precision};
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+
+/// Values of `t` rounded to `dtype` and back, as f64, row-major.
+fn values(t: &Tensor, dtype: DType) -> Result<Vec<f64>> {
+    let v = t.to_dtype(dtype)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    Ok(v)
+}
+
+/// f64 `A·B` for `(batch, m, k)·(batch, k, n)` and the `sum |a b|` of each element.
+fn reference(a: &[f64], b: &[f64], (batch, m, k, n): (usize, usize, usize, usize)) -> (Vec<f64>, Vec<f64>) {
+    let (mut c, mut abs) = (vec![0.0; batch * m * n], vec![0.0; batch * m * n]);
+    for p in 0..batch {
+        for i in 0..m {
+            for j in 0..n {
+                for l in 0..k {
+                    let x = a[(p * m + i) * k + l] * b[(p * k + l) * n + j];
+                    c[(p * m + i) * n + j] += x;
+                    abs[(p * m + i) * n + j] += x.abs();
+                }
+            }
+        }
+    }
+    (c, abs)
+}
+
+fn unit(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+        _ => 2f64.powi(-24),
+    }
+}
+
+#[track_caller]
+fn assert_within(
+    what: &str,
+    got: &Tensor,
+    (want, abs): (Vec<f64>, Vec<f64>),
+    k: usize,
+    out: DType,
+) -> Result<()> {
+    let got = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let gamma = k as f64 * 2f64.powi(-24) * 1.01;
+    for (i, ((g, w), s)) in got.iter().zip(&want).zip(&abs).enumerate() {
+        let bound = gamma * s + unit(out) * (w.abs() + gamma * s);
+        assert!((g - w).abs() <= bound, "{what}[{i}]: {g:e} vs {w:e}, bound {bound:e}");
+    }
+    Ok(())
+}
+
+fn compute_dtype(p: Precision) -> DType {
+    p.dtype()
+}
+
+#[test]
+fn forward_and_both_gradients_match_f64_for_every_precision_and_layout() -> Result<()> {
+    let dev = Device::Cpu;
+    let (batch, m, k, n) = (3, 37, 70, 65);
+    for precision in Precision::ALL {
+        for out in [DType::F32, precision.dtype()] {
+            for b_transposed in [false, true] {
+                let a = Var::from_tensor(&Tensor::randn(0f32, 1.0, (batch, m, k), &dev)?)?;
+                // B stored as (batch, n, k) and read transposed, like a Linear weight, or as (batch, k, n).
+                let b_stored = if b_transposed {
+                    Tensor::randn(0f32, 1.0, (batch, n, k), &dev)?
+                } else {
+                    Tensor::randn(0f32, 1.0, (batch, k, n), &dev)?
+                };
+                let b_var = Var::from_tensor(&b_stored)?;
+                let b =
+                    if b_transposed { b_var.as_tensor().transpose(1, 2)? } else { b_var.as_tensor().clone() };
+                let c = ops::matmul_to(a.as_tensor(), &b, precision, out)?;
+                assert_eq!((c.dims(), c.dtype()), (&[batch, m, n][..], out));
+                let cd = compute_dtype(precision);
+                let (av, bv) = (values(a.as_tensor(), cd)?, values(&b.contiguous()?, cd)?);
+                let what = format!("{precision} out {out:?} b_transposed {b_transposed}");
+                assert_within(&format!("C {what}"), &c, reference(&av, &bv, (batch, m, k, n)), k, out)?;
+
+                // d(sum(C * G))/dA = G·B^T and /dB = A^T·G, with G rounded to the compute precision.
+                let g = Tensor::randn(0f32, 1.0, (batch, m, n), &dev)?.to_dtype(out)?;
+                let grads = (c * &g)?.sum_all()?.backward()?;
+                let gv = values(&g, cd)?;
+                let bt: Vec<f64> = transpose(&bv, batch, k, n);
+                let at: Vec<f64> = transpose(&av, batch, m, k);
+                let da = grads.get(a.as_tensor()).expect("A has a gradient");
+                assert_eq!(da.dtype(), DType::F32, "dA in A's dtype");
+                assert_within(
+                    &format!("dA {what}"),
+                    da,
+                    reference(&gv, &bt, (batch, m, n, k)),
+                    n,
+                    DType::F32,
+                )?;
+                let db = grads.get(b_var.as_tensor()).expect("B has a gradient");
+                let db = if b_transposed { db.transpose(1, 2)? } else { db.clone() };
+                assert_within(
+                    &format!("dB {what}"),
+                    &db.contiguous()?,
+                    reference(&at, &gv, (batch, k, m, n)),
+                    m,
+                    DType::F32,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `(batch, r, c)` row-major to `(batch, c, r)`.
+fn transpose(x: &[f64], batch: usize, r: usize, c: usize) -> Vec<f64> {
+    let mut t = vec![0.0; x.len()];
+    for p in 0..batch {
+        for i in 0..r {
+            for j in 0..c {
+                t[(p * c + j) * r + i] = x[(p * r + i) * c + j];
+            }
+        }
+    }
+    t
+}
+
+#[test]
+fn batch_dimensions_broadcast_and_fold_like_candle() -> Result<()> {
+    let dev = Device::Cpu;
+    // (2, 3, m, k) · (k, n): the rank-2 operand broadcasts over both batch dimensions.
+    let a = Tensor::randn(0f32, 1.0, (2, 3, 5, 8), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, (8, 4), &dev)?;
+    let ours = ops::matmul_to(&a, &b, Precision::Fp32, DType::F32)?;
+    let candle = a.broadcast_matmul(&b)?;
+    assert_eq!(ours.dims(), candle.dims());
+    let diff = (ours - candle)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff < 1e-5, "{diff}");
+    let bad = Tensor::randn(0f32, 1.0, (7, 4), &dev)?;
+    assert!(ops::matmul_to(&a, &bad, Precision::Fp32, DType::F32).is_err());
+    Ok(())
+}
+
+#[test]
+fn forcing_candle_gives_candles_product_and_explain_says_so() -> Result<()> {
+    let dev = Device::Cpu;
+    let a = Tensor::randn(0f32, 1.0, (16, 32), &dev)?.to_dtype(DType::BF16)?;
+    let b = Tensor::randn(0f32, 1.0, (32, 24), &dev)?.to_dtype(DType::BF16)?;
+    let auto = dispatch::explain(&dev, Precision::Bf16, Dims::new(16, 24, 32));
+    assert_eq!(auto.kernel, MatmulKernel::Amp(GemmPath::choose(Compute::Bf16)), "{auto}");
+    let ours = ops::matmul(&a, &b, Precision::Bf16)?;
+    let (forced, theirs) = dispatch::with_override(Override::Candle, || {
+        (
+            dispatch::explain(&dev, Precision::Bf16, Dims::new(16, 24, 32)),
+            ops::matmul(&a, &b, Precision::Bf16),
+        )
+    })
+    .expect("candle is always available");
+    let theirs = theirs?;
+    assert_eq!(dispatch::current_override(), Override::Auto, "restored after the closure");
+    assert_eq!(forced.kernel, MatmulKernel::Candle);
+    assert!(forced.reason.contains("forced"), "{forced}");
+    // Both sum the same bf16 products in f32 and round once to bf16: at most one bf16 ulp apart.
+    let (x, y) = (ours.to_dtype(DType::F32)?, theirs.to_dtype(DType::F32)?);
+    let rel = ((&x - &y)?.abs()? / (y.abs()? + 1e-3)?)?.max_all()?.to_scalar::<f32>()?;
+    assert!(rel <= 2f32.powi(-7), "{rel}");
+    Ok(())
+}
+
+#[test]
+fn a_linear_layer_trains_through_the_gemm_op() -> Result<()> {
+    use candle_core::Module;
+    let dev = Device::Cpu;
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let layer = amp::nn::linear(8, 3, vb)?;
+    let x = Tensor::randn(0f32, 1.0, (4, 5, 8), &dev)?;
+    let y = layer.forward(&x)?;
+    assert_eq!(y.dims(), &[4, 5, 3]);
+    let grads = y.sqr()?.sum_all()?.backward()?;
+    let gw = grads.get(layer.weight().trainable().as_tensor()).expect("weight gradient");
+    // dL/dW = sum over rows of 2 y x^T, computed in f64 from the same values.
+    let (yv, xv) = (y.reshape((20, 3))?, x.reshape((20, 8))?);
+    let want = (yv.t()?.matmul(&xv)? * 2.0)?;
+    let diff = (gw - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let scale = want.abs()?.max(D::Minus1)?.max(0)?.to_scalar::<f32>()?;
+    assert!(diff <= scale * 1e-5, "{diff} vs {scale}");
+    Ok(())
+}
