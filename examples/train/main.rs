@@ -35,17 +35,52 @@ use rand::{Rng, SeedableRng};
 
 const VOCAB: usize = 32;
 const SUCCESSORS: usize = 3; // likely successors per token
-const EMBED: usize = 64;
-const HEADS: usize = 4;
-const LAYERS: usize = 2;
-const SEQ: usize = 32;
-const BATCH: usize = 16;
 const EVAL_SEQS: usize = 64;
-const LR: f64 = 1e-2;
 const SEED: u64 = 2026;
 
-/// The model the runs train.
-const SHAPE: GptShape = GptShape { vocab: VOCAB, embed: EMBED, heads: HEADS, layers: LAYERS, seq: SEQ };
+/// The model and batch the runs train, chosen with `--size`.
+#[derive(Clone, Copy, Debug)]
+struct Size {
+    name: &'static str,
+    shape: GptShape,
+    batch: usize,
+    steps: usize,
+    lr: f64,
+}
+
+/// d_model 256, 4 layers, 128 positions, 16 sequences a step: matrix products are most of the work
+/// (42 GFLOP a step, see `Size::flops_per_step`).
+const DEFAULT: Size = Size {
+    name: "default",
+    shape: GptShape { vocab: VOCAB, embed: 256, heads: 4, layers: 4, seq: 128 },
+    batch: 16,
+    steps: 120,
+    lr: 3e-3,
+};
+
+/// The earlier main job: d_model 64, 2 layers, 32 positions; seconds to run, dominated by overheads.
+const TINY: Size = Size {
+    name: "tiny",
+    shape: GptShape { vocab: VOCAB, embed: 64, heads: 4, layers: 2, seq: 32 },
+    batch: 16,
+    steps: 300,
+    lr: 1e-2,
+};
+
+impl Size {
+    fn tokens(&self) -> usize {
+        self.batch * self.shape.seq
+    }
+
+    /// Floating-point operations of one training step's matrix products: forward per token per layer
+    /// `24 d^2` (q, k, v, out projections and a 4d MLP) plus `4 T d` (scores and mixing), plus the head's
+    /// `2 d V`; backward twice the forward.
+    fn flops_per_step(&self) -> f64 {
+        let GptShape { vocab, embed: d, layers, seq, .. } = self.shape;
+        let per_token = layers * (24 * d * d + 4 * seq * d) + 2 * d * vocab;
+        3.0 * (per_token * self.tokens()) as f64
+    }
+}
 
 /// A first-order Markov source: each token has `SUCCESSORS` likely successors, plus a little mass on
 /// every token so that the chain is irreducible and aperiodic (a unique stationary distribution).
@@ -101,13 +136,13 @@ impl Markov {
         cumulative.position(|c| c >= u).unwrap_or(dist.len() - 1)
     }
 
-    /// `seqs` sequences of `SEQ + 1` tokens, each starting from the stationary distribution.
-    fn sequences(&self, seqs: usize, rng: &mut StdRng) -> Vec<u32> {
-        let mut out = Vec::with_capacity(seqs * (SEQ + 1));
+    /// `seqs` sequences of `seq + 1` tokens, each starting from the stationary distribution.
+    fn sequences(&self, seqs: usize, seq: usize, rng: &mut StdRng) -> Vec<u32> {
+        let mut out = Vec::with_capacity(seqs * (seq + 1));
         for _ in 0..seqs {
             let mut token = Self::sample(&self.stationary, rng);
             out.push(token as u32);
-            for _ in 0..SEQ {
+            for _ in 0..seq {
                 token = Self::sample(&self.rows[token], rng);
                 out.push(token as u32);
             }
@@ -116,32 +151,42 @@ impl Markov {
     }
 }
 
-/// Inputs `(seqs, SEQ)` and next-token targets `(seqs * SEQ,)`.
-fn split(tokens: Vec<u32>, seqs: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
-    let all = Tensor::from_vec(tokens, (seqs, SEQ + 1), device)?;
-    Ok((all.narrow(D::Minus1, 0, SEQ)?, all.narrow(D::Minus1, 1, SEQ)?.flatten_all()?))
+/// Inputs `(seqs, seq)` and next-token targets `(seqs * seq,)`.
+fn split(
+    tokens: Vec<u32>,
+    seqs: usize,
+    seq: usize,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let all = Tensor::from_vec(tokens, (seqs, seq + 1), device)?;
+    Ok((all.narrow(D::Minus1, 0, seq)?, all.narrow(D::Minus1, 1, seq)?.flatten_all()?))
 }
 
 struct Args {
     runs: Vec<Precision>,
     opt_level: OptLevel,
-    steps: usize,
+    size: Size,
+    steps: Option<usize>,
     out: PathBuf,
 }
 
 const USAGE: &str =
-    "usage: train [--precision LIST] [--opt-level O2|O1] [--steps N] [--device cpu] [--out DIR]
+    "usage: train [--precision LIST] [--opt-level O2|O1] [--size default|tiny] [--steps N] [--device cpu] [--out DIR]
   --precision LIST  which runs, comma separated, from fp32,bf16,fp16 (default: all three)
                     fp32 is O0; bf16 and fp16 use --opt-level; fp16 adds dynamic loss scaling
   --opt-level LEVEL the level of the mixed (bf16, fp16) runs: O2 (fp32 masters + half copies,
                     default) or O1 (fp32 params cast at use)
-  --steps N         optimizer steps per run (default 300: 2-3 minutes for all three on 2 idle cores)
+  --size SIZE       default: d_model 256, 4 layers, 128 positions, 16 sequences a step (42 GFLOP a
+                    step; 120 steps, about 4 minutes for all three runs on 2 cores); tiny: d_model 64,
+                    2 layers, 32 positions (300 steps, under a minute)
+  --steps N         optimizer steps per run (default: the size's)
   --device cpu      the device; only cpu in this build (CUDA needs the `cuda` feature, not built here)
   --out DIR         where results.json, loss_curves.csv and .png go (default out/)";
 
 fn parse_args() -> Result<Args, String> {
     let all = vec![Precision::Fp32, Precision::Bf16, Precision::Fp16];
-    let mut args = Args { runs: all, opt_level: OptLevel::O2, steps: 300, out: PathBuf::from("out") };
+    let mut args =
+        Args { runs: all, opt_level: OptLevel::O2, size: DEFAULT, steps: None, out: PathBuf::from("out") };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value; try --help"));
@@ -165,11 +210,19 @@ fn parse_args() -> Result<Args, String> {
                     ));
                 }
             }
+            "--size" => {
+                args.size = match value()?.as_str() {
+                    "default" => DEFAULT,
+                    "tiny" => TINY,
+                    other => return Err(format!("--size {other}: expected default or tiny")),
+                }
+            }
             "--steps" => {
-                args.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?;
-                if args.steps < 20 {
+                let steps: usize = value()?.parse().map_err(|e| format!("--steps: {e}"))?;
+                if steps < 20 {
                     return Err("--steps: at least 20".into());
                 }
+                args.steps = Some(steps);
             }
             "--device" => match value()?.as_str() {
                 "cpu" => {}
@@ -229,6 +282,7 @@ fn run_name(precision: Precision, opt_level: OptLevel) -> String {
 /// One run's model, optimizer and scaler. The runs step in lockstep (step i of every run, then step
 /// i + 1), so load from other processes on a shared machine slows them all alike.
 struct Trainer {
+    size: Size,
     run: Run,
     model: Gpt,
     optimizer: FusedAdamW,
@@ -237,15 +291,21 @@ struct Trainer {
 }
 
 impl Trainer {
-    fn new(name: String, weights: &HashMap<String, Tensor>, config: AmpConfig) -> amp::Result<Self> {
-        let mut model = Gpt::new(SHAPE, VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu))?;
+    fn new(
+        size: Size,
+        name: String,
+        weights: &HashMap<String, Tensor>,
+        config: AmpConfig,
+    ) -> amp::Result<Self> {
+        let vb = VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu);
+        let mut model = Gpt::new(size.shape, vb)?;
         amp::initialize(&mut model, config)?;
-        let adam = AdamConfig { lr: LR, weight_decay: 0.01, ..AdamConfig::default() };
+        let adam = AdamConfig { lr: size.lr, weight_decay: 0.01, ..AdamConfig::default() };
         let optimizer = FusedAdamW::new(ParamGroups::from_model(&model)?, adam)?;
         let scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
         let run =
             Run { name, curve: vec![], step_ms: vec![], skipped: 0, scale: 1.0, accuracy: 0.0, bytes: 0 };
-        Ok(Trainer { run, model, optimizer, scaler, window: (0.0, 0) })
+        Ok(Trainer { size, run, model, optimizer, scaler, window: (0.0, 0) })
     }
 
     fn step(&mut self, step: usize, lr: f64, (ids, targets): &(Tensor, Tensor)) -> amp::Result<()> {
@@ -263,7 +323,7 @@ impl Trainer {
     fn progress(&mut self, step: usize, steps: usize) {
         let recent = &self.run.curve[self.run.curve.len() - self.window.1..];
         let mean = recent.iter().map(|(_, l)| l).sum::<f32>() / recent.len() as f32;
-        let tokens_s = (self.window.1 * BATCH * SEQ) as f64 / (self.window.0 / 1e3);
+        let tokens_s = (self.window.1 * self.size.tokens()) as f64 / (self.window.0 / 1e3);
         println!(
             "  {:<9} step {step:>5}/{steps}  loss {mean:.4}  {tokens_s:>8.0} tokens/s  scale {:<8}  skipped {}",
             self.run.name,
@@ -276,7 +336,7 @@ impl Trainer {
     /// The run's state for the progress bar: last loss, recent speed, scale and skips.
     fn status(&self) -> String {
         let (ms, steps) = self.window;
-        let tokens_s = if steps == 0 { 0.0 } else { (steps * BATCH * SEQ) as f64 / (ms / 1e3) };
+        let tokens_s = if steps == 0 { 0.0 } else { (steps * self.size.tokens()) as f64 / (ms / 1e3) };
         let loss = self.run.curve.last().map_or(f32::NAN, |p| p.1);
         let (scale, skipped) = (self.scaler.scale(), self.scaler.state().skipped);
         format!("{} loss {loss:.3} {tokens_s:.0} tok/s scale {scale} skips {skipped}", self.run.name)
@@ -294,13 +354,13 @@ impl Trainer {
 }
 
 /// Linear warm-up over the first 5% of steps, then cosine decay to a tenth of the rate.
-fn learning_rate(step: usize, steps: usize) -> f64 {
+fn learning_rate(lr: f64, step: usize, steps: usize) -> f64 {
     let warmup = (steps / 20).max(1);
     if step <= warmup {
-        return LR * step as f64 / warmup as f64;
+        return lr * step as f64 / warmup as f64;
     }
     let t = (step - warmup) as f64 / (steps - warmup).max(1) as f64;
-    LR * (0.1 + 0.45 * (1.0 + (std::f64::consts::PI * t).cos()))
+    lr * (0.1 + 0.45 * (1.0 + (std::f64::consts::PI * t).cos()))
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -329,20 +389,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     // The same data order for every run: one seeded stream, drawn once.
     let mut rng = StdRng::seed_from_u64(SEED + 1);
-    let batches = (0..args.steps)
-        .map(|_| split(source.sequences(BATCH, &mut rng), BATCH, &device))
+    let (size, steps) = (args.size, args.steps.unwrap_or(args.size.steps));
+    let (batch, seq) = (size.batch, size.shape.seq);
+    let batches = (0..steps)
+        .map(|_| split(source.sequences(batch, seq, &mut rng), batch, seq, &device))
         .collect::<Result<Vec<_>, _>>()?;
-    let eval_tokens = source.sequences(EVAL_SEQS, &mut rng);
-    let eval = split(eval_tokens, EVAL_SEQS, &device)?;
+    let eval_tokens = source.sequences(EVAL_SEQS, seq, &mut rng);
+    let eval = split(eval_tokens, EVAL_SEQS, seq, &device)?;
     let eval_ids = eval.0.flatten_all()?.to_vec1::<u32>()?;
     let eval_targets = eval.1.to_vec1::<u32>()?;
     let oracle = eval_ids.iter().zip(&eval_targets).filter(|(i, t)| guesses[**i as usize] == **t).count();
     let oracle = oracle as f64 / eval_targets.len() as f64;
 
     // One set of initial weights, copied into every run.
-    let weights = Gpt::initial_weights(SHAPE, &device)?;
+    let weights = Gpt::initial_weights(size.shape, &device)?;
     if let Some(half) = args.runs.iter().find(|p| **p != Precision::Fp32) {
-        let mut model = Gpt::new(SHAPE, VarBuilder::from_tensors(weights.clone(), DType::F32, &device))?;
+        let mut model = Gpt::new(size.shape, VarBuilder::from_tensors(weights.clone(), DType::F32, &device))?;
         amp::initialize(&mut model, config_for(*half, args.opt_level))?;
         println!(
             "\nprecision plan of the {} run:\n{}\n",
@@ -350,28 +412,45 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             model.precision_plan()
         );
     }
-    println!("{} steps of {BATCH}x{SEQ} tokens, AdamW lr {LR} (warm-up + cosine), clip 1.0\n", args.steps);
+    let (GptShape { embed, layers, heads, .. }, lr) = (size.shape, size.lr);
+    println!(
+        "size {}: d_model {embed}, {layers} layers, {heads} heads, {seq} positions; {steps} steps of {batch}x{seq} \
+         tokens ({:.1} GFLOP of matrix products a step), AdamW lr {lr} (warm-up + cosine), clip 1.0",
+        size.name,
+        size.flops_per_step() / 1e9
+    );
+    let bf16_path = amp::dispatch::explain(
+        &device,
+        Precision::Bf16,
+        amp::dispatch::Dims::new(batch * seq, 4 * embed, embed),
+    );
+    let f32_path = amp::dispatch::explain(
+        &device,
+        Precision::Fp32,
+        amp::dispatch::Dims::new(batch * seq, 4 * embed, embed),
+    );
+    println!("matrix products: fp32 on {}; bf16 and fp16 on {}\n", f32_path.kernel, bf16_path.kernel);
 
     let mut trainers = args
         .runs
         .iter()
-        .map(|p| Trainer::new(run_name(*p, args.opt_level), &weights, config_for(*p, args.opt_level)))
+        .map(|p| Trainer::new(size, run_name(*p, args.opt_level), &weights, config_for(*p, args.opt_level)))
         .collect::<amp::Result<Vec<_>>>()?;
-    let every = (args.steps / 10).max(1);
+    let every = (steps / 10).max(1);
     // A live bar on a terminal (hidden when output is redirected), plus a line every 10% for logs.
-    let bar = indicatif::ProgressBar::new(args.steps as u64);
+    let bar = indicatif::ProgressBar::new(steps as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:24} {pos}/{len} {msg}")
             .map_err(|e| format!("progress bar template: {e}"))?,
     );
     for (step, batch) in batches.iter().enumerate().map(|(i, b)| (i + 1, b)) {
         for trainer in &mut trainers {
-            trainer.step(step, learning_rate(step, args.steps), batch)?;
+            trainer.step(step, learning_rate(lr, step, steps), batch)?;
         }
         bar.set_position(step as u64);
         bar.set_message(trainers.iter().map(Trainer::status).collect::<Vec<_>>().join(" | "));
-        if step % every == 0 || step == args.steps {
-            bar.suspend(|| trainers.iter_mut().for_each(|t| t.progress(step, args.steps)));
+        if step % every == 0 || step == steps {
+            bar.suspend(|| trainers.iter_mut().for_each(|t| t.progress(step, steps)));
         }
     }
     bar.finish_and_clear();
@@ -386,7 +465,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for run in &runs {
         let ms = run.median_ms();
         let speedup = fp32_ms.map(|f| f / ms);
-        let tokens_s = (BATCH * SEQ) as f64 / (ms / 1e3);
+        let tokens_s = size.tokens() as f64 / (ms / 1e3);
         println!(
             "{:<9} {ms:>8.2} {tokens_s:>9.0} {:>8.4} {:>9.4} {:>8.1}% {:>8} {:>8} {:>8} {:>10}",
             run.name,
@@ -410,23 +489,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         100.0 * best_accuracy,
         100.0 * oracle
     );
-    println!(
-        "note: this CPU has no AVX512-BF16 matmul kernel here, and candle widens bf16/fp16 matmuls to f32, so\n\
-         half compute is not faster than fp32 on CPU: expect speed-up <= 1.0x until the matrix-engine work lands.\n\
-         param B = parameters as stored (masters + half copies) + optimizer state."
-    );
+    println!("param B = parameters as stored (masters + half copies) + optimizer state.");
 
     std::fs::create_dir_all(&args.out)?;
     let results = serde_json::json!({
         "task": { "vocab": VOCAB, "successors": SUCCESSORS, "entropy_floor": floor,
                   "best_accuracy": best_accuracy, "oracle_eval_accuracy": oracle },
-        "steps": args.steps, "batch": BATCH, "seq": SEQ, "lr": LR, "opt_level": args.opt_level.to_string(),
+        "size": size.name, "d_model": embed, "layers": layers, "heads": heads,
+        "flops_per_step": size.flops_per_step(), "matmul_bf16": bf16_path.kernel.to_string(),
+        "steps": steps, "batch": batch, "seq": seq, "lr": lr, "opt_level": args.opt_level.to_string(),
         "runs": json_runs,
     });
     std::fs::write(args.out.join("results.json"), serde_json::to_string_pretty(&results)?)?;
     let mut csv =
         std::iter::once("step").chain(runs.iter().map(|r| r.name.as_str())).collect::<Vec<_>>().join(",");
-    for i in 0..args.steps {
+    for i in 0..steps {
         let losses: String = runs.iter().map(|r| format!(",{}", r.curve[i].1)).collect();
         csv.push_str(&format!("\n{}{losses}", i + 1));
     }

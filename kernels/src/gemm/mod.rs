@@ -7,8 +7,8 @@
 //! - **Compute precision.** [`Compute`] says what the products are computed from: operands are rounded to
 //!   it while they are packed (a bf16 product of f32 activations needs no separate cast pass), then
 //!   multiplied exactly and summed in f32.
-//! - **Paths.** [`GemmPath`]: `vdpbf16ps` on AVX512-BF16 (bf16 products, k-pairs interleaved while
-//!   packing), f32 FMA on zmm (AVX-512) or ymm (AVX2) registers with half operands widened while packing,
+//! - **Paths.** [`GemmPath`]: `vdpbf16ps` on AVX512-BF16 where it outruns the FMA (measured once per
+//!   process, [`dot_product_speedup`]; bf16 products, k-pairs interleaved while packing), f32 FMA on zmm (AVX-512) or ymm (AVX2) registers with half operands widened while packing,
 //!   a portable f32 path, and [`GemmPath::Avx512Bf16Model`], a bit-exact software model of the
 //!   `vdpbf16ps` path that runs on any CPU, so its packing, interleaving, blocking, edges and threading
 //!   are tested everywhere. f16 always computes through f32: no CPU here multiplies f16 quickly.
@@ -37,6 +37,7 @@
 //! # Ok::<(), amp_kernels::gemm::GemmError>(())
 //! ```
 
+mod calibrate;
 mod dpbf16;
 mod driver;
 mod layout;
@@ -44,6 +45,7 @@ mod micro;
 mod pack;
 mod path;
 
+pub use calibrate::{dot_product_speedup, DOT_PAYS};
 pub use dpbf16::{dpbf16_lane, dpbf16_pair};
 pub use layout::{Dims, GemmError, MatMut, MatRef};
 pub use path::{Compute, GemmPath};

@@ -93,7 +93,31 @@ impl PackInto for f32 {
     const K_PER_STEP: usize = 1;
 
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, compute: Compute, dst: &mut [f32]) {
-        fill(src, lines, width, dst, |src, at, _| src[at].rounded(compute));
+        prepare(lines, width, 1, dst);
+        let one = |x: S| x.rounded(compute);
+        if lines.k_stride == 1 && lines.line_stride != 1 {
+            // k contiguous: read each line in order, write with stride `width`.
+            for l in 0..lines.count {
+                let line = &src[lines.base + l * lines.line_stride..][..lines.k];
+                for (out, &x) in dst[l..].iter_mut().step_by(width).zip(line) {
+                    *out = one(x);
+                }
+            }
+        } else if lines.line_stride == 1 {
+            // Lines contiguous: each step is a contiguous run of `count` elements.
+            for (s, row) in dst.chunks_exact_mut(width).enumerate() {
+                let run = &src[lines.base + s * lines.k_stride..][..lines.count];
+                for (out, &x) in row.iter_mut().zip(run) {
+                    *out = one(x);
+                }
+            }
+        } else {
+            for (s, row) in dst.chunks_exact_mut(width).enumerate() {
+                for (l, out) in row[..lines.count].iter_mut().enumerate() {
+                    *out = one(src[lines.base + s * lines.k_stride + l * lines.line_stride]);
+                }
+            }
+        }
     }
 
     fn from_words(words: &mut [u32]) -> &mut [f32] {
@@ -102,17 +126,55 @@ impl PackInto for f32 {
     }
 }
 
+/// A bf16 pair: the even `k` in the low half.
+#[inline(always)]
+fn pair<S: Source>(even: S, odd: S) -> u32 {
+    u32::from(even.bf16_bits()) | u32::from(odd.bf16_bits()) << 16
+}
+
 impl PackInto for u32 {
     const K_PER_STEP: usize = 2;
 
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, _compute: Compute, dst: &mut [u32]) {
-        let odd_k = lines.k % 2 == 1;
-        let last = lines.k.div_ceil(2).saturating_sub(1);
-        fill(src, lines, width, dst, |src, at, step| {
-            let even = u32::from(src[at].bf16_bits());
-            let odd = if odd_k && step == last { 0 } else { u32::from(src[at + lines.k_stride].bf16_bits()) };
-            even | odd << 16
-        });
+        prepare(lines, width, 2, dst);
+        let (pairs, odd_k) = (lines.k / 2, lines.k % 2 == 1);
+        if lines.k_stride == 1 && lines.line_stride != 1 {
+            // k contiguous: each line's pairs are adjacent elements.
+            for l in 0..lines.count {
+                let line = &src[lines.base + l * lines.line_stride..][..lines.k];
+                let mut outs = dst[l..].iter_mut().step_by(width);
+                // The pairs drive the zip, so `outs` is not advanced past the last full pair.
+                for (two, out) in line.chunks_exact(2).zip(outs.by_ref()) {
+                    *out = pair(two[0], two[1]);
+                }
+                if let (true, Some(out)) = (odd_k, outs.next()) {
+                    *out = u32::from(line[lines.k - 1].bf16_bits());
+                }
+            }
+        } else if lines.line_stride == 1 {
+            // Lines contiguous: interleave two contiguous runs (k = 2s and 2s + 1).
+            for (s, row) in dst.chunks_exact_mut(width).enumerate() {
+                let even = &src[lines.base + 2 * s * lines.k_stride..][..lines.count];
+                if s < pairs {
+                    let odd = &src[lines.base + (2 * s + 1) * lines.k_stride..][..lines.count];
+                    for ((out, &e), &o) in row.iter_mut().zip(even).zip(odd) {
+                        *out = pair(e, o);
+                    }
+                } else {
+                    for (out, &e) in row.iter_mut().zip(even) {
+                        *out = u32::from(e.bf16_bits());
+                    }
+                }
+            }
+        } else {
+            for (s, row) in dst.chunks_exact_mut(width).enumerate() {
+                for (l, out) in row[..lines.count].iter_mut().enumerate() {
+                    let at = lines.base + 2 * s * lines.k_stride + l * lines.line_stride;
+                    let odd = if s < pairs { src[at + lines.k_stride].bf16_bits() } else { 0 };
+                    *out = u32::from(src[at].bf16_bits()) | u32::from(odd) << 16;
+                }
+            }
+        }
     }
 
     fn from_words(words: &mut [u32]) -> &mut [u32] {
@@ -120,36 +182,12 @@ impl PackInto for u32 {
     }
 }
 
-/// `dst[s * width + l] = value(src, index of (line l, k = s * K_PER_STEP), s)`, zero for absent lines.
-#[inline(always)]
-fn fill<S: Source, P: PackInto>(
-    src: &[S],
-    lines: Lines,
-    width: usize,
-    dst: &mut [P],
-    value: impl Fn(&[S], usize, usize) -> P,
-) {
-    let steps = lines.k.div_ceil(P::K_PER_STEP);
-    debug_assert_eq!(dst.len(), steps * width);
+/// Zeroes the lines past the operand's edge (the only part of a panel the packing does not write).
+fn prepare<P: Copy + Default>(lines: Lines, width: usize, k_per_step: usize, dst: &mut [P]) {
+    debug_assert_eq!(dst.len(), lines.k.div_ceil(k_per_step) * width);
     if lines.count < width {
-        dst.fill(P::default());
-    }
-    let k_step = lines.k_stride * P::K_PER_STEP;
-    if lines.k_stride == 1 && lines.line_stride != 1 {
-        // k contiguous: read each line in order, write with stride `width`.
-        for l in 0..lines.count {
-            let start = lines.base + l * lines.line_stride;
-            for (s, out) in dst[l..].iter_mut().step_by(width).take(steps).enumerate() {
-                *out = value(src, start + s * k_step, s);
-            }
-        }
-    } else {
-        // Lines contiguous (or neither): read step by step.
-        for (s, row) in dst.chunks_exact_mut(width).enumerate() {
-            let start = lines.base + s * k_step;
-            for (l, out) in row[..lines.count].iter_mut().enumerate() {
-                *out = value(src, start + l * lines.line_stride, s);
-            }
+        for row in dst.chunks_exact_mut(width) {
+            row[lines.count..].fill(P::default());
         }
     }
 }

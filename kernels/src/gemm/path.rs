@@ -46,13 +46,20 @@ impl GemmPath {
         GemmPath::Avx512Bf16Model,
     ];
 
-    /// The fastest path this CPU has for `compute`.
+    /// The fastest path this CPU has for `compute`: for bf16 the `vdpbf16ps` path where the CPU has it
+    /// and it outruns the zmm FMA ([`super::dot_product_speedup`]), else the widest FMA path.
     #[must_use]
     pub fn choose(compute: Compute) -> GemmPath {
-        GemmPath::choose_for(compute, Isa::detect())
+        let dot_pays = || super::dot_product_speedup().is_some_and(|r| r >= super::DOT_PAYS);
+        let isa = match Isa::detect() {
+            Isa::Avx512Bf16 if compute == Compute::Bf16 && !dot_pays() => Isa::Avx512,
+            isa => isa,
+        };
+        GemmPath::choose_for(compute, isa)
     }
 
-    /// The path [`GemmPath::choose`] picks on a CPU whose best level is `isa`.
+    /// The path [`GemmPath::choose`] picks on a CPU whose best level is `isa` and where `vdpbf16ps`
+    /// pays.
     #[must_use]
     pub fn choose_for(compute: Compute, isa: Isa) -> GemmPath {
         match isa {

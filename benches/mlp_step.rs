@@ -1,0 +1,124 @@
+//! A full training step of the MLP of `performance-baselines.md` (4 x Linear(1024, 1024) with ReLU,
+//! batch 256, MSE loss, fused AdamW through `GradScaler::step_fused`), fp32 against bf16 and fp16 O2,
+//! measured side by side in one run.
+//!
+//! The fp32 baseline is the faster of candle's matmul and amp's f32 GEMM (both are timed); the mixed
+//! runs use amp's dispatch (`vdpbf16ps` for bf16 where the CPU has it). Every run steps in turn (A, B,
+//! C, ... per round) on a 2-thread rayon pool; medians.
+//!
+//! Run: `cargo bench --bench mlp_step` (about a minute).
+
+use std::time::Instant;
+
+use amp::dispatch::{self, Override};
+use amp::nn::{linear, Linear};
+use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
+use amp::scaler::ScalerConfig;
+use amp::{AmpConfig, AmpModule, GradScaler, OptLevel, Precision};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+const WIDTH: usize = 1024;
+const BATCH: usize = 256;
+const ROUNDS: usize = 15;
+
+#[derive(AmpModule)]
+struct Mlp {
+    layers: Vec<Linear>,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i + 1 < self.layers.len() {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+}
+
+struct Run {
+    name: &'static str,
+    over: Override,
+    model: Mlp,
+    optimizer: FusedAdamW,
+    scaler: GradScaler,
+    times: Vec<f64>,
+}
+
+fn run(name: &'static str, config: AmpConfig, over: Override) -> amp::Result<Run> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let layers =
+        (0..4).map(|i| linear(WIDTH, WIDTH, vb.pp(format!("l{i}")))).collect::<candle_core::Result<_>>()?;
+    let mut model = Mlp { layers };
+    amp::initialize(&mut model, config)?;
+    let optimizer =
+        FusedAdamW::new(ParamGroups::from_model(&model)?, AdamConfig { lr: 1e-4, ..AdamConfig::default() })?;
+    let scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
+    Ok(Run { name, over, model, optimizer, scaler, times: Vec::new() })
+}
+
+impl Run {
+    fn step(&mut self, x: &Tensor, y: &Tensor) -> amp::Result<f64> {
+        let start = Instant::now();
+        let (model, optimizer, scaler) = (&self.model, &mut self.optimizer, &mut self.scaler);
+        dispatch::with_override(self.over, || -> amp::Result<()> {
+            let out = model.forward(x)?;
+            let loss = amp::ops::loss::mse(&out, y)?;
+            scaler.step_fused(&loss, optimizer, None)?;
+            Ok(())
+        })??;
+        Ok(start.elapsed().as_secs_f64())
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+fn main() -> amp::Result<()> {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a 2-thread pool");
+    pool.install(bench)
+}
+
+fn bench() -> amp::Result<()> {
+    let dev = Device::Cpu;
+    let fp32 = AmpConfig { opt_level: OptLevel::O0, half: Precision::Bf16 };
+    let mixed = |half| AmpConfig::new(OptLevel::O2, &dev).with_half(half);
+    let mut runs = vec![
+        run("fp32, candle matmul", fp32, Override::Candle)?,
+        run("fp32, amp gemm", fp32, Override::Auto)?,
+        run("bf16 O2", mixed(Precision::Bf16), Override::Auto)?,
+        run("fp16 O2", mixed(Precision::Fp16), Override::Auto)?,
+    ];
+    let x = Tensor::randn(0f32, 1.0, (BATCH, WIDTH), &dev)?;
+    let y = Tensor::randn(0f32, 1.0, (BATCH, WIDTH), &dev)?;
+    for r in &mut runs {
+        r.step(&x, &y)?; // warm-up
+    }
+    for _ in 0..ROUNDS {
+        for r in &mut runs {
+            let t = r.step(&x, &y)?;
+            r.times.push(t);
+        }
+    }
+    let bf16 = dispatch::explain(&dev, Precision::Bf16, dispatch::Dims::new(BATCH, WIDTH, WIDTH));
+    println!("MLP step: 4 x Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, MSE, fused AdamW; 2 threads, {ROUNDS} rounds");
+    println!("bf16 products: {bf16}");
+    let fp32_best = runs[..2].iter().map(|r| median(&r.times)).fold(f64::INFINITY, f64::min);
+    println!("{:<22} {:>9} {:>16}", "run", "median ms", "of fp32 (best)");
+    for r in &runs {
+        let ms = median(&r.times);
+        println!("{:<22} {:>9.2} {:>15.2}x", r.name, ms * 1e3, ms / fp32_best);
+    }
+    let ratio = median(&runs[2].times) / fp32_best;
+    let goal = if amp::dispatch::GemmPath::Avx512Bf16.is_supported() { 0.4 } else { 1.0 };
+    println!("goal (issue #12): bf16 O2 step <= {goal}x of the fp32 step: {ratio:.2}x");
+    Ok(())
+}
