@@ -53,6 +53,13 @@ pub fn cuda_gemm_settings(settings: CudaGemmSettings) -> CudaGemmSettings {
     before
 }
 
+/// The TF32 policy for f32 products on CUDA (off by default, as PyTorch's `allow_tf32` for matmuls
+/// since 1.12): on, f32 products use TF32 tensor cores (10-bit mantissa products, f32 accumulation).
+/// Half products keep f32 accumulation either way. Returns the previous setting.
+pub fn allow_tf32(allow: bool) -> bool {
+    cuda_gemm_settings(CudaGemmSettings::for_policy(allow)).tf32
+}
+
 /// Whether tensor cores take their fastest route for a half product of this shape: m, n and k
 /// multiples of 8 (16-byte aligned rows of f16/bf16; NVIDIA's "Matrix Multiplication Background").
 #[must_use]
@@ -78,6 +85,16 @@ mod tests {
         assert!(!s.f16_reduced && !s.bf16_reduced && !s.tf32);
         assert!(CudaGemmSettings::for_policy(true).tf32);
         assert_eq!(s.to_string(), "f32 accumulation for f16/bf16, full f32");
+    }
+
+    /// Needs the `cuda` build: without it candle's switches are stand-ins that ignore writes.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_tf32_policy_sets_candles_switches_and_keeps_half_accumulation_in_f32() {
+        let before = allow_tf32(false);
+        let settings = cuda_gemm_settings(CudaGemmSettings::for_policy(false));
+        assert!(!settings.f16_reduced && !settings.bf16_reduced && !settings.tf32);
+        allow_tf32(before);
     }
 
     #[test]

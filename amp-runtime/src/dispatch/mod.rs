@@ -7,7 +7,9 @@
 //!
 //! On CUDA, products run on cuBLAS through candle, with f32 accumulation for f16 and bf16 (candle's
 //! "reduced precision" switches off; [`cuda_gemm_settings`]) and TF32 for f32 only when a policy asks.
-//! Tensor cores take their fastest route when m, n and k are multiples of 8 ([`tensor_core_shape`]).
+//! Tensor cores take their fastest route when m, n and k are multiples of 8 ([`tensor_core_shape`]; a
+//! padding policy pads a dimension to the next multiple, [`tensor_core_padding`] says what it costs).
+//! [`crate::cuda::prepare`] applies these settings; [`allow_tf32`] is the TF32 opt-in.
 //!
 //! [`explain`] returns the choice with its reason; a debug log line (`tracing`, target
 //! `amp::dispatch`) reports each new (shape, precision, choice) once; [`set_override`] forces candle or
@@ -18,7 +20,7 @@ mod cuda;
 mod log;
 
 pub use amp_kernels::gemm::{Compute, Dims, GemmPath};
-pub use cuda::{cuda_gemm_settings, tensor_core_padding, tensor_core_shape, CudaGemmSettings};
+pub use cuda::{allow_tf32, cuda_gemm_settings, tensor_core_padding, tensor_core_shape, CudaGemmSettings};
 
 use std::cell::Cell;
 use std::fmt;
@@ -172,17 +174,23 @@ fn decide(device: &Device, precision: Precision, over: Override) -> Choice {
 
 fn automatic(compute: Compute) -> Choice {
     let path = GemmPath::choose(compute);
-    let reason = match (compute, path) {
-        (Compute::Bf16, GemmPath::Avx512Bf16) => {
-            "bf16 products on the CPU's vdpbf16ps (AVX512-BF16)".to_string()
+    let speedup = amp_kernels::gemm::dot_product_speedup();
+    let reason = match (compute, path, speedup) {
+        (Compute::Bf16, GemmPath::Avx512Bf16, Some(r)) => {
+            format!("bf16 products on vdpbf16ps, measured at {r:.2}x the zmm FMA's flop rate on this CPU")
         }
-        (Compute::Bf16, _) => {
+        (Compute::Bf16, _, Some(r)) => format!(
+            "vdpbf16ps measured at {r:.2}x the zmm FMA's flop rate on this CPU (below {}x): bf16 operands \
+             widened while packing, {path}",
+            amp_kernels::gemm::DOT_PAYS
+        ),
+        (Compute::Bf16, _, None) => {
             format!("no AVX512-BF16 on this CPU: bf16 operands widened while packing, {path}")
         }
-        (Compute::F16, _) => {
+        (Compute::F16, _, _) => {
             format!("f16 operands widened while packing (no CPU multiplies f16 fast), {path}")
         }
-        (Compute::F32, _) => format!("f32 on {path}"),
+        (Compute::F32, _, _) => format!("f32 on {path}"),
     };
     Choice { kernel: MatmulKernel::Amp(path), reason }
 }

@@ -32,6 +32,9 @@ pub fn is_available() -> bool {
 /// `device` is not a CUDA device, or the kernels do not compile / load on it (with NVRTC's log).
 pub fn prepare(device: &Device) -> Result<GpuInfo> {
     let gpu = Gpu::of(device)?;
+    // Half products accumulate in f32 (amp's contract); TF32 for f32 stays as the policy set it.
+    let tf32 = candle_core::cuda::gemm_reduced_precision_f32();
+    crate::dispatch::cuda_gemm_settings(crate::dispatch::CudaGemmSettings::for_policy(tf32));
     let context = gpu.stream.context();
     Ok(GpuInfo {
         ordinal: context.ordinal(),
