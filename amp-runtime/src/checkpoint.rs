@@ -14,6 +14,8 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{Error, Result};
 use crate::{AmpModule, AmpModuleExt};
 
+mod durable;
+
 /// What is wrong with one tensor of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CheckpointProblem {
@@ -103,8 +105,10 @@ pub struct SavedState {
     pub tensors: Vec<(String, Tensor)>,
 }
 
-/// Saves every parameter's master under its dotted path. Writes a temporary file beside `path` and
-/// renames it, so an interrupted save never leaves a truncated checkpoint in place.
+/// Saves every parameter's master under its dotted path, durably: the bytes go to a temporary file
+/// beside `path` with a name unique to this save, are flushed to the disk, then renamed over `path`, and
+/// the directory is flushed. A save killed at any moment (`kill -9`, a power loss) leaves the previous
+/// checkpoint or the new one, whole; two processes saving to one path never mix their bytes.
 pub fn save<M: AmpModule + ?Sized>(model: &M, path: impl AsRef<Path>) -> Result<()> {
     save_with(model, &[], path)
 }
@@ -132,14 +136,9 @@ pub fn save_with<M: AmpModule + ?Sized>(
         metadata.insert(format!("{STATE_PREFIX}{key}"), saved.json);
         tensors.extend(saved.tensors.into_iter().map(|(name, t)| (format!("{STATE_PREFIX}{key}/{name}"), t)));
     }
-    let tmp = path.with_extension("safetensors.partial");
-    safetensors::tensor::serialize_to_file(
-        tensors.iter().map(|(n, t)| (n.as_str(), t)),
-        Some(metadata),
-        &tmp,
-    )
-    .map_err(|e| io(e.to_string()))?;
-    std::fs::rename(&tmp, path).map_err(|e| io(e.to_string()))
+    let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
+        .map_err(|e| io(e.to_string()))?;
+    durable::replace_file(path, &bytes).map_err(|e| io(e.to_string()))
 }
 
 /// Loads masters saved by [`save`] (or by candle-nn's `VarMap::save` for the same model) and refreshes
