@@ -80,6 +80,9 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
                         values.len()
                     )))
                 }
+                Some(t) if t.dtype() != candle_core::DType::F32 => {
+                    return Err(bad(format!("`{name}` is {:?}, optimizer state is F32", t.dtype())))
+                }
                 Some(_) => {}
             }
         }
@@ -118,6 +121,28 @@ struct Settings<C> {
     groups: Vec<GroupOptions>,
 }
 
+/// The saved settings, after [`check`] and a check that they describe the same parameter groups.
+fn checked_settings<C, S>(saved: &SavedState, core: &Core<C, S>) -> Result<Settings<C>>
+where
+    C: serde::de::DeserializeOwned,
+    S: AsRef<[Buffers]>,
+{
+    let settings: Settings<C> = check(saved, &core.groups.params, core.state.as_ref())?;
+    if settings.step == u64::MAX {
+        return Err(Error::OptimizerState { reason: "its step count is at u64::MAX".into() });
+    }
+    if settings.groups.len() != core.groups.groups.len() {
+        return Err(Error::OptimizerState {
+            reason: format!(
+                "it has {} parameter group(s), this optimizer {}",
+                settings.groups.len(),
+                core.groups.groups.len()
+            ),
+        });
+    }
+    Ok(settings)
+}
+
 impl<T: Checkpointed> TrainingState for T {
     fn state_key(&self) -> String {
         "optimizer".into()
@@ -136,13 +161,12 @@ impl<T: Checkpointed> TrainingState for T {
     }
 
     fn check_state(&self, saved: &SavedState) -> Result<()> {
-        let core = self.core();
-        check::<Settings<T::Config>>(saved, &core.groups.params, core.state.as_ref()).map(|_| ())
+        checked_settings(saved, self.core()).map(|_| ())
     }
 
     fn restore_state(&mut self, saved: SavedState) -> Result<()> {
+        let settings = checked_settings(&saved, self.core())?;
         let core = self.core_mut();
-        let settings: Settings<T::Config> = check(&saved, &core.groups.params, core.state.as_ref())?;
         (core.config, core.step) = (settings.config, settings.step);
         for (mine, restored) in core.groups.groups.iter_mut().zip(settings.groups) {
             *mine = restored;
