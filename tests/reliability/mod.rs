@@ -143,3 +143,8 @@ pub fn read_lines(path: &Path) -> Vec<String> {
 
 /// The result of a reliability test or helper: any error (amp's, I/O, JSON).
 pub type Outcome<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// The net's output for `x`.
+pub fn forward_output(net: &Net, x: &Tensor) -> candle_core::Result<Tensor> {
+    net.forward(x)
+}
