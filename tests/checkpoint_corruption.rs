@@ -207,6 +207,26 @@ fn state_cases(real: &[u8]) -> Outcome<Vec<Case>> {
             "parameter group",
         ),
         case(
+            "optimizer_lr_negative",
+            with(opt_key, &optimizer, &|s| s["config"]["lr"] = json!(-1.0))?,
+            "`lr` must be finite and at least 0",
+        ),
+        case(
+            "optimizer_beta_one",
+            with(opt_key, &optimizer, &|s| s["config"]["beta2"] = json!(1.0))?,
+            "`beta2` must be in [0, 1)",
+        ),
+        case(
+            "optimizer_group_lr_negative",
+            with(opt_key, &optimizer, &|s| s["groups"][0]["lr"] = json!(-0.5))?,
+            "`groups[0].lr`",
+        ),
+        case(
+            "optimizer_amsgrad_without_its_buffer",
+            with(opt_key, &optimizer, &|s| s["config"]["amsgrad"] = json!(true))?,
+            "max_exp_avg_sq` is missing",
+        ),
+        case(
             "optimizer_config_not_object",
             with(opt_key, &optimizer, &|s| s["config"] = json!("adam"))?,
             "unreadable settings",
