@@ -64,7 +64,10 @@ pub fn bits(t: &Tensor) -> Vec<u32> {
 
 /// Every bit of the training state: masters, working copies, and each state's saved form (JSON and
 /// tensors), in a fixed order. Two runs are identical when their snapshots are equal.
-pub fn snapshot(net: &Net, states: &[&dyn TrainingState]) -> amp::Result<Vec<(String, Vec<u32>)>> {
+pub fn snapshot<M: AmpModule + ?Sized>(
+    net: &M,
+    states: &[&dyn TrainingState],
+) -> amp::Result<Vec<(String, Vec<u32>)>> {
     let mut all = Vec::new();
     for (name, p) in net.named_params() {
         all.push((format!("{name} master"), bits(p.master().as_tensor())));
@@ -143,8 +146,3 @@ pub fn read_lines(path: &Path) -> Vec<String> {
 
 /// The result of a reliability test or helper: any error (amp's, I/O, JSON).
 pub type Outcome<T = ()> = Result<T, Box<dyn std::error::Error>>;
-
-/// The net's output for `x`.
-pub fn forward_output(net: &Net, x: &Tensor) -> candle_core::Result<Tensor> {
-    net.forward(x)
-}
