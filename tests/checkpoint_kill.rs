@@ -112,7 +112,8 @@ fn checkpoints_survive_sigkill_at_random_moments() -> Outcome {
     let started = Instant::now();
     for _ in 0..KILLS {
         let mut child = reliability::spawn_self("child_saves_until_killed", &[(CHILD_DIR, &dir_text)])?;
-        let ready = reliability::wait_for_line(&mut child, "ready");
+        // A child that is not ready within a minute is stuck: it is killed and the test fails.
+        let ready = reliability::wait_for_line(&mut child, "ready", Duration::from_secs(60));
         // The child is killed while it trains, logs or saves; a few times before it is ready.
         std::thread::sleep(Duration::from_micros(rng.random_range(0..40_000)));
         let exited = child.try_wait()?;

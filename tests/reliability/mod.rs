@@ -114,19 +114,25 @@ pub fn spawn_self(entry: &str, env: &[(&str, &str)]) -> std::io::Result<Child> {
     command.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()
 }
 
-/// Reads a child's stdout until a line that ends with `marker` (libtest may print the test's name before it on the same line); false when the stream ended first.
-pub fn wait_for_line(child: &mut Child, marker: &str) -> bool {
-    let Some(stdout) = child.stdout.as_mut() else { return false };
-    let mut reader = BufReader::new(stdout);
-    let mut line = String::new();
-    loop {
-        line.clear();
-        match reader.read_line(&mut line) {
-            Ok(0) | Err(_) => return false,
-            Ok(_) if line.trim_end().ends_with(marker) => return true,
-            Ok(_) => {}
+/// Reads a child's stdout until a line that ends with `marker` (libtest may print the test's name
+/// before it on the same line); false when the stream ended first or nothing came within `timeout`.
+pub fn wait_for_line(child: &mut Child, marker: &str, timeout: std::time::Duration) -> bool {
+    let Some(stdout) = child.stdout.take() else { return false };
+    let (found, seen) = std::sync::mpsc::channel();
+    let marker = marker.to_string();
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(stdout);
+        let mut line = String::new();
+        loop {
+            line.clear();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return found.send(false),
+                Ok(_) if line.trim_end().ends_with(&marker) => return found.send(true),
+                Ok(_) => {}
+            }
         }
-    }
+    });
+    seen.recv_timeout(timeout).unwrap_or(false)
 }
 
 /// A fresh empty directory under the system's temporary directory.
