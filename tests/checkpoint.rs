@@ -129,3 +129,40 @@ fn bad_checkpoints_are_refused_whole_with_every_problem_named() -> amp::Result<(
     std::fs::remove_file(path).ok();
     Ok(())
 }
+
+/// A 1 MB model (one 512x512 linear layer), so that concurrent saves overlap.
+fn wide(varmap: &VarMap) -> candle_core::Result<Vec<Linear>> {
+    let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
+    Ok(vec![linear(512, 512, vb.pp("wide"))?])
+}
+
+fn bits(model: &[Linear]) -> candle_core::Result<Vec<u32>> {
+    let values = model[0].weight().master().as_tensor().flatten_all()?.to_vec1::<f32>()?;
+    Ok(values.iter().map(|v| v.to_bits()).collect())
+}
+
+#[test]
+fn two_writers_saving_to_one_path_never_mix_their_files() -> amp::Result<()> {
+    // Two models with different weights, saved concurrently to one path, again and again: with a shared
+    // temporary name one writer would rename the other's half-written file, or find it gone.
+    let models = [wide(&VarMap::new())?, wide(&VarMap::new())?];
+    let states = [bits(&models[0])?, bits(&models[1])?];
+    assert_ne!(states[0], states[1]);
+    let dir = std::env::temp_dir().join(format!("amp-two-writers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(candle_core::Error::wrap)?;
+    let path = dir.join("shared.safetensors");
+    std::thread::scope(|s| {
+        let writers: Vec<_> = models
+            .iter()
+            .map(|model| s.spawn(|| (0..30).try_for_each(|_| amp::checkpoint::save(model, &path))))
+            .collect();
+        writers.into_iter().try_for_each(|w| w.join().expect("no panic"))
+    })?;
+    let mut loaded = wide(&VarMap::new())?;
+    amp::checkpoint::load(&mut loaded, &path)?;
+    assert!(states.contains(&bits(&loaded)?), "the file is one writer's checkpoint, whole");
+    let left: Vec<_> = std::fs::read_dir(&dir).map_err(candle_core::Error::wrap)?.collect();
+    assert_eq!(left.len(), 1, "no temporary file is left behind");
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}

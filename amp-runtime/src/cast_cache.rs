@@ -24,6 +24,8 @@ thread_local! {
 struct Entries {
     casts: HashMap<(TensorId, DType), Tensor>,
     hits: usize,
+    /// Guards alive on this thread: the cache ends when the outermost one is dropped.
+    depth: usize,
 }
 
 /// While alive, casts of parameters on this thread are computed once per (parameter, dtype).
@@ -35,15 +37,16 @@ pub struct CastCache {
 }
 
 impl CastCache {
-    /// Starts caching on this thread. Nested guards share the outer cache.
+    /// Starts caching on this thread. Nested guards share the outer cache: dropping an inner guard keeps
+    /// it (and its casts) for the outer one; the cache ends with the outermost guard.
     pub fn enter() -> Self {
         CACHE.with(|cache| {
-            cache.borrow_mut().get_or_insert_with(Entries::default);
+            cache.borrow_mut().get_or_insert_with(Entries::default).depth += 1;
         });
         CastCache { _not_send: std::marker::PhantomData }
     }
 
-    /// How many casts were served from the cache since it was entered.
+    /// How many casts were served from the cache since the outermost guard was entered.
     pub fn hits(&self) -> usize {
         CACHE.with(|cache| cache.borrow().as_ref().map_or(0, |e| e.hits))
     }
@@ -60,7 +63,16 @@ impl CastCache {
 
 impl Drop for CastCache {
     fn drop(&mut self) {
-        CACHE.with(|cache| *cache.borrow_mut() = None);
+        CACHE.with(|cache| {
+            let mut cache = cache.borrow_mut();
+            let last = cache.as_mut().is_none_or(|entries| {
+                entries.depth = entries.depth.saturating_sub(1);
+                entries.depth == 0
+            });
+            if last {
+                *cache = None;
+            }
+        });
     }
 }
 

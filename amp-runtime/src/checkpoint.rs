@@ -14,6 +14,8 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{Error, Result};
 use crate::{AmpModule, AmpModuleExt};
 
+mod durable;
+
 /// What is wrong with one tensor of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CheckpointProblem {
@@ -45,6 +47,15 @@ pub enum CheckpointProblem {
         /// The checkpoint's dtype.
         found: DType,
     },
+    /// A tensor holds inf or NaN (refused unless [`LoadOptions::allow_non_finite`]).
+    NonFinite {
+        /// Tensor name (`amp_state/{key}/...` for a training state's tensor).
+        name: String,
+        /// How many of its values are not finite.
+        count: usize,
+        /// How many values it has.
+        of: usize,
+    },
 }
 
 impl fmt::Display for CheckpointProblem {
@@ -61,6 +72,12 @@ impl fmt::Display for CheckpointProblem {
                 f,
                 "`{name}` is {found:?} in the checkpoint, amp checkpoints hold {expected:?} \
                  masters; convert the file to f32 first"
+            ),
+            CheckpointProblem::NonFinite { name, count, of } => write!(
+                f,
+                "`{name}` holds {count} non-finite value(s) (inf/NaN) of {of}: the run had diverged when it \
+                 was saved; resume from an earlier checkpoint, or load it with \
+                 `LoadOptions {{ allow_non_finite: true }}` to inspect it"
             ),
         }
     }
@@ -103,8 +120,10 @@ pub struct SavedState {
     pub tensors: Vec<(String, Tensor)>,
 }
 
-/// Saves every parameter's master under its dotted path. Writes a temporary file beside `path` and
-/// renames it, so an interrupted save never leaves a truncated checkpoint in place.
+/// Saves every parameter's master under its dotted path, durably: the bytes go to a temporary file
+/// beside `path` with a name unique to this save, are flushed to the disk, then renamed over `path`, and
+/// the directory is flushed. A save killed at any moment (`kill -9`, a power loss) leaves the previous
+/// checkpoint or the new one, whole; two processes saving to one path never mix their bytes.
 pub fn save<M: AmpModule + ?Sized>(model: &M, path: impl AsRef<Path>) -> Result<()> {
     save_with(model, &[], path)
 }
@@ -132,14 +151,9 @@ pub fn save_with<M: AmpModule + ?Sized>(
         metadata.insert(format!("{STATE_PREFIX}{key}"), saved.json);
         tensors.extend(saved.tensors.into_iter().map(|(name, t)| (format!("{STATE_PREFIX}{key}/{name}"), t)));
     }
-    let tmp = path.with_extension("safetensors.partial");
-    safetensors::tensor::serialize_to_file(
-        tensors.iter().map(|(n, t)| (n.as_str(), t)),
-        Some(metadata),
-        &tmp,
-    )
-    .map_err(|e| io(e.to_string()))?;
-    std::fs::rename(&tmp, path).map_err(|e| io(e.to_string()))
+    let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
+        .map_err(|e| io(e.to_string()))?;
+    durable::replace_file(path, &bytes).map_err(|e| io(e.to_string()))
 }
 
 /// Loads masters saved by [`save`] (or by candle-nn's `VarMap::save` for the same model) and refreshes
@@ -149,11 +163,32 @@ pub fn load<M: AmpModule + ?Sized>(model: &mut M, path: impl AsRef<Path>) -> Res
 }
 
 /// [`load`] plus training states saved by [`save_with`]. Everything is checked before anything is
-/// changed: the model and every state are restored together or not at all.
+/// changed: the model and every state are restored together or not at all. A checkpoint whose tensors
+/// hold inf or NaN is refused, naming them ([`load_with_options`] can load it for inspection).
 pub fn load_with<M: AmpModule + ?Sized>(
     model: &mut M,
     states: &mut [&mut dyn TrainingState],
     path: impl AsRef<Path>,
+) -> Result<()> {
+    load_with_options(model, states, path, LoadOptions::default())
+}
+
+/// What [`load_with_options`] accepts beyond a checkpoint that matches the model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Load masters, buffers and state tensors that hold inf or NaN (refused by default): to inspect a
+    /// run that diverged, never to resume training from it.
+    pub allow_non_finite: bool,
+}
+
+/// [`load_with`] with [`LoadOptions`]. A file that is damaged, truncated, not safetensors, or holds
+/// tensors or states that do not fit is refused with an error naming the file and the problem; the
+/// model and the states are unchanged then.
+pub fn load_with_options<M: AmpModule + ?Sized>(
+    model: &mut M,
+    states: &mut [&mut dyn TrainingState],
+    path: impl AsRef<Path>,
+    options: LoadOptions,
 ) -> Result<()> {
     let path = path.as_ref();
     let io = |reason: String| Error::CheckpointIo { path: path.to_path_buf(), reason };
@@ -163,26 +198,20 @@ pub fn load_with<M: AmpModule + ?Sized>(
     let device = model.named_params().first().map_or(Device::Cpu, |(_, p)| p.master().device().clone());
     let mut tensors =
         candle_core::safetensors::load_buffer(&bytes, &device).map_err(|e| io(e.to_string()))?;
-
-    let mut saved = Vec::with_capacity(states.len());
-    for state in states.iter() {
-        let key = state.state_key();
-        let Some(json) = metadata.get(&format!("{STATE_PREFIX}{key}")) else {
-            return Err(io(format!("it holds no `{key}` state (was it saved with `save_with`?)")));
-        };
-        let prefix = format!("{STATE_PREFIX}{key}/");
-        let names: Vec<String> = tensors.keys().filter(|n| n.starts_with(&prefix)).cloned().collect();
-        let state_tensors =
-            names.into_iter().filter_map(|n| tensors.remove(&n).map(|t| (n[prefix.len()..].to_string(), t)));
-        let one = SavedState { json: json.clone(), tensors: state_tensors.collect() };
-        state.check_state(&one)?;
-        saved.push(one);
-    }
-    tensors.retain(|name, _| !name.starts_with(STATE_PREFIX));
+    drop(bytes);
+    let saved = take_states(states, &metadata, &mut tensors, path)?;
 
     let params = model.named_params();
     let buffers = model.named_buffers();
-    let problems = check(&params, &buffers, &tensors);
+    let mut problems = check(&params, &buffers, &tensors);
+    if !options.allow_non_finite {
+        let state_tensors = states.iter().zip(&saved).flat_map(|(state, one)| {
+            let key = state.state_key();
+            one.tensors.iter().map(move |(name, t)| (format!("{STATE_PREFIX}{key}/{name}"), t))
+        });
+        let all = tensors.iter().map(|(n, t)| (n.clone(), t)).chain(state_tensors);
+        problems.extend(non_finite(all)?);
+    }
     if !problems.is_empty() {
         return Err(Error::CheckpointRefused {
             path: path.to_path_buf(),
@@ -200,7 +229,61 @@ pub fn load_with<M: AmpModule + ?Sized>(
     for (state, one) in states.iter_mut().zip(saved) {
         state.restore_state(one)?;
     }
+    crate::CastCache::clear();
     Ok(())
+}
+
+/// Moves each state's tensors out of `tensors` and checks each state, changing nothing; every
+/// `amp_state/` tensor is removed, whether a state asked for it or not.
+fn take_states(
+    states: &[&mut dyn TrainingState],
+    metadata: &HashMap<String, String>,
+    tensors: &mut HashMap<String, Tensor>,
+    path: &Path,
+) -> Result<Vec<SavedState>> {
+    let mut saved = Vec::with_capacity(states.len());
+    for state in states.iter() {
+        let key = state.state_key();
+        let Some(json) = metadata.get(&format!("{STATE_PREFIX}{key}")) else {
+            return Err(Error::CheckpointIo {
+                path: path.to_path_buf(),
+                reason: format!("it holds no `{key}` state (was it saved with `save_with`?)"),
+            });
+        };
+        let prefix = format!("{STATE_PREFIX}{key}/");
+        let names: Vec<String> = tensors.keys().filter(|n| n.starts_with(&prefix)).cloned().collect();
+        let state_tensors =
+            names.into_iter().filter_map(|n| tensors.remove(&n).map(|t| (n[prefix.len()..].to_string(), t)));
+        let one = SavedState { json: json.clone(), tensors: state_tensors.collect() };
+        state.check_state(&one).map_err(|source| Error::CheckpointState {
+            path: path.to_path_buf(),
+            key,
+            source: Box::new(source),
+        })?;
+        saved.push(one);
+    }
+    tensors.retain(|name, _| !name.starts_with(STATE_PREFIX));
+    Ok(saved)
+}
+
+/// A problem for every float tensor that holds inf or NaN, in name order.
+fn non_finite<'t>(tensors: impl Iterator<Item = (String, &'t Tensor)>) -> Result<Vec<CheckpointProblem>> {
+    let mut problems = Vec::new();
+    for (name, tensor) in tensors {
+        let flat = tensor.flatten_all()?;
+        let count = match tensor.dtype() {
+            DType::F64 => flat.to_vec1::<f64>()?.iter().filter(|v| !v.is_finite()).count(),
+            DType::F32 | DType::F16 | DType::BF16 => {
+                flat.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().filter(|v| !v.is_finite()).count()
+            }
+            _ => 0,
+        };
+        if count > 0 {
+            problems.push(CheckpointProblem::NonFinite { name, count, of: tensor.elem_count() });
+        }
+    }
+    problems.sort_by_key(ToString::to_string);
+    Ok(problems)
 }
 
 fn check(

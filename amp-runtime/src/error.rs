@@ -65,6 +65,18 @@ pub enum Error {
         problems: crate::checkpoint::CheckpointProblems,
     },
 
+    /// A checkpoint's training state (a scaler's, an optimizer's) cannot be restored; nothing was loaded.
+    #[error("checkpoint {} refused, the model is unchanged: its `{key}` state: {source}", path.display())]
+    CheckpointState {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The state's key (`"scaler"`, `"optimizer"`).
+        key: String,
+        /// What is wrong with it.
+        #[source]
+        source: Box<Error>,
+    },
+
     // ---- loss scaling ----
     /// A scaler setting out of range.
     #[error("invalid loss-scaler setting: {reason}")]

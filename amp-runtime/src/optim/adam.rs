@@ -6,8 +6,9 @@ use candle_core::backprop::GradStore;
 
 use super::core::Core;
 use super::driver::{self, select_mut};
-use super::params::ParamGroups;
+use super::params::{OptimParam, ParamGroups};
 use super::state::{Buffers, Checkpointed};
+use super::validate;
 use super::FusedOptimizer;
 use crate::error::Result;
 
@@ -52,6 +53,15 @@ impl AdamConfig {
     pub fn adam() -> Self {
         AdamConfig { weight_decay: 0.0, decoupled_weight_decay: false, ..Self::default() }
     }
+
+    /// Checks the settings, naming the field that is out of range.
+    pub fn validate(&self) -> Result<()> {
+        validate::non_negative("lr", self.lr)?;
+        validate::decay("beta1", self.beta1)?;
+        validate::decay("beta2", self.beta2)?;
+        validate::positive("eps", self.eps)?;
+        validate::non_negative("weight_decay", self.weight_decay)
+    }
 }
 
 /// Fused multi-tensor Adam / AdamW over fp32 masters with fp32 state.
@@ -65,14 +75,11 @@ pub struct FusedAdam {
 pub type FusedAdamW = FusedAdam;
 
 impl FusedAdam {
-    /// An optimizer over `groups` with zeroed moments.
+    /// An optimizer over `groups` with zeroed moments; refuses settings out of range.
     pub fn new(groups: ParamGroups, config: AdamConfig) -> Result<Self> {
-        let params = &groups.params;
-        let state = [
-            Buffers::zeros("exp_avg", params, true),
-            Buffers::zeros("exp_avg_sq", params, true),
-            Buffers::zeros("max_exp_avg_sq", params, config.amsgrad),
-        ];
+        config.validate()?;
+        validate::groups(&groups.groups)?;
+        let state = Self::fresh_state(&config, &groups.params);
         Ok(FusedAdam { core: Core::new(groups, config, state) })
     }
 
@@ -183,5 +190,17 @@ impl Checkpointed for FusedAdam {
 
     fn core_mut(&mut self) -> &mut Core<AdamConfig, [Buffers; 3]> {
         &mut self.core
+    }
+
+    fn validate_config(config: &AdamConfig) -> Result<()> {
+        config.validate()
+    }
+
+    fn fresh_state(config: &AdamConfig, params: &[OptimParam]) -> [Buffers; 3] {
+        [
+            Buffers::zeros("exp_avg", params, true),
+            Buffers::zeros("exp_avg_sq", params, true),
+            Buffers::zeros("max_exp_avg_sq", params, config.amsgrad),
+        ]
     }
 }

@@ -6,8 +6,9 @@ use candle_core::backprop::GradStore;
 
 use super::core::Core;
 use super::driver::{self, select_mut};
-use super::params::ParamGroups;
+use super::params::{OptimParam, ParamGroups};
 use super::state::{Buffers, Checkpointed};
+use super::validate;
 use super::FusedOptimizer;
 use crate::error::Result;
 
@@ -50,6 +51,17 @@ impl Default for LambConfig {
     }
 }
 
+impl LambConfig {
+    /// Checks the settings, naming the field that is out of range.
+    pub fn validate(&self) -> Result<()> {
+        validate::non_negative("lr", self.lr)?;
+        validate::decay("beta1", self.beta1)?;
+        validate::decay("beta2", self.beta2)?;
+        validate::positive("eps", self.eps)?;
+        validate::non_negative("weight_decay", self.weight_decay)
+    }
+}
+
 /// Fused multi-tensor LAMB over fp32 masters with fp32 state.
 #[derive(Debug)]
 pub struct FusedLamb {
@@ -63,10 +75,11 @@ pub struct FusedLamb {
 }
 
 impl FusedLamb {
-    /// An optimizer over `groups` with zeroed moments.
+    /// An optimizer over `groups` with zeroed moments; refuses settings out of range.
     pub fn new(groups: ParamGroups, config: LambConfig) -> Result<Self> {
-        let params = &groups.params;
-        let state = [Buffers::zeros("exp_avg", params, true), Buffers::zeros("exp_avg_sq", params, true)];
+        config.validate()?;
+        validate::groups(&groups.groups)?;
+        let state = Self::fresh_state(&config, &groups.params);
         Ok(FusedLamb {
             #[cfg(feature = "cuda")]
             scratch: (0..groups.groups.len()).map(|_| None).collect(),
@@ -183,5 +196,13 @@ impl Checkpointed for FusedLamb {
 
     fn core_mut(&mut self) -> &mut Core<LambConfig, [Buffers; 2]> {
         &mut self.core
+    }
+
+    fn validate_config(config: &LambConfig) -> Result<()> {
+        config.validate()
+    }
+
+    fn fresh_state(_: &LambConfig, params: &[OptimParam]) -> [Buffers; 2] {
+        [Buffers::zeros("exp_avg", params, true), Buffers::zeros("exp_avg_sq", params, true)]
     }
 }

@@ -6,8 +6,9 @@ use candle_core::backprop::GradStore;
 
 use super::core::Core;
 use super::driver::{self, select_mut};
-use super::params::ParamGroups;
+use super::params::{OptimParam, ParamGroups};
 use super::state::{Buffers, Checkpointed};
+use super::validate;
 use super::FusedOptimizer;
 use crate::error::{Error, Result};
 
@@ -32,6 +33,23 @@ impl Default for SgdConfig {
     }
 }
 
+impl SgdConfig {
+    /// Checks the settings, naming the field that is out of range; refuses Nesterov without momentum or
+    /// with dampening, as PyTorch does.
+    pub fn validate(&self) -> Result<()> {
+        validate::non_negative("lr", self.lr)?;
+        validate::non_negative("momentum", self.momentum)?;
+        validate::fraction("dampening", self.dampening)?;
+        validate::non_negative("weight_decay", self.weight_decay)?;
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(Error::OptimizerState {
+                reason: "`nesterov` needs momentum > 0 and dampening 0".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Fused multi-tensor SGD over fp32 masters with fp32 momentum buffers.
 #[derive(Debug)]
 pub struct FusedSgd {
@@ -42,12 +60,9 @@ pub struct FusedSgd {
 impl FusedSgd {
     /// An optimizer over `groups`; refuses Nesterov without momentum or with dampening, as PyTorch does.
     pub fn new(groups: ParamGroups, config: SgdConfig) -> Result<Self> {
-        if config.nesterov && (config.momentum <= 0.0 || config.dampening != 0.0) {
-            return Err(Error::OptimizerState {
-                reason: "Nesterov momentum needs momentum > 0 and dampening 0".into(),
-            });
-        }
-        let state = [Buffers::zeros("momentum_buffer", &groups.params, config.momentum != 0.0)];
+        config.validate()?;
+        validate::groups(&groups.groups)?;
+        let state = Self::fresh_state(&config, &groups.params);
         Ok(FusedSgd { core: Core::new(groups, config, state) })
     }
 
@@ -139,5 +154,13 @@ impl Checkpointed for FusedSgd {
 
     fn core_mut(&mut self) -> &mut Core<SgdConfig, [Buffers; 1]> {
         &mut self.core
+    }
+
+    fn validate_config(config: &SgdConfig) -> Result<()> {
+        config.validate()
+    }
+
+    fn fresh_state(config: &SgdConfig, params: &[OptimParam]) -> [Buffers; 1] {
+        [Buffers::zeros("momentum_buffer", params, config.momentum != 0.0)]
     }
 }

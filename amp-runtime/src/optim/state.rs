@@ -80,6 +80,9 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
                         values.len()
                     )))
                 }
+                Some(t) if t.dtype() != candle_core::DType::F32 => {
+                    return Err(bad(format!("`{name}` is {:?}, optimizer state is F32", t.dtype())))
+                }
                 Some(_) => {}
             }
         }
@@ -90,7 +93,7 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
 /// Copies the saved buffers in (after [`check`] passed).
 pub(crate) fn restore(state: &SavedState, params: &[OptimParam], buffers: &mut [Buffers]) -> Result<()> {
     let by_name: HashMap<&str, &Tensor> = state.tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    for buffer in buffers.iter_mut() {
+    for buffer in buffers.iter_mut().filter(|b| b.used) {
         for (param, values) in params.iter().zip(buffer.values.iter_mut()) {
             if let Some(t) = by_name.get(format!("{}/{}", param.path, buffer.name).as_str()) {
                 *values = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
@@ -109,6 +112,10 @@ pub(crate) trait Checkpointed {
     type State: AsRef<[Buffers]> + AsMut<[Buffers]>;
     fn core(&self) -> &Core<Self::Config, Self::State>;
     fn core_mut(&mut self) -> &mut Core<Self::Config, Self::State>;
+    /// Checks settings (from a checkpoint), naming the field out of range.
+    fn validate_config(config: &Self::Config) -> Result<()>;
+    /// Zeroed state buffers for `config` (which buffers are in use depends on it: AMSGrad, momentum).
+    fn fresh_state(config: &Self::Config, params: &[OptimParam]) -> Self::State;
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -116,6 +123,32 @@ struct Settings<C> {
     config: C,
     step: u64,
     groups: Vec<GroupOptions>,
+}
+
+/// The saved settings and the state buffers they use (zeroed), after checks that the settings are in
+/// range and describe the same parameter groups and that every buffer they use is there ([`check`]).
+fn checked_settings<T: Checkpointed>(
+    saved: &SavedState,
+    core: &Core<T::Config, T::State>,
+) -> Result<(Settings<T::Config>, T::State)> {
+    let bad = |reason: String| Error::OptimizerState { reason };
+    let settings: Settings<T::Config> =
+        serde_json::from_str(&saved.json).map_err(|e| bad(format!("unreadable settings: {e}")))?;
+    T::validate_config(&settings.config)?;
+    super::validate::groups(&settings.groups)?;
+    if settings.step == u64::MAX {
+        return Err(bad("its step count is at u64::MAX".into()));
+    }
+    if settings.groups.len() != core.groups.groups.len() {
+        return Err(bad(format!(
+            "it has {} parameter group(s), this optimizer {}",
+            settings.groups.len(),
+            core.groups.groups.len()
+        )));
+    }
+    let state = T::fresh_state(&settings.config, &core.groups.params);
+    check::<Settings<T::Config>>(saved, &core.groups.params, state.as_ref())?;
+    Ok((settings, state))
 }
 
 impl<T: Checkpointed> TrainingState for T {
@@ -136,13 +169,13 @@ impl<T: Checkpointed> TrainingState for T {
     }
 
     fn check_state(&self, saved: &SavedState) -> Result<()> {
-        let core = self.core();
-        check::<Settings<T::Config>>(saved, &core.groups.params, core.state.as_ref()).map(|_| ())
+        checked_settings::<T>(saved, self.core()).map(|_| ())
     }
 
     fn restore_state(&mut self, saved: SavedState) -> Result<()> {
+        let (settings, mut state) = checked_settings::<T>(&saved, self.core())?;
+        restore(&saved, &self.core().groups.params, state.as_mut())?;
         let core = self.core_mut();
-        let settings: Settings<T::Config> = check(&saved, &core.groups.params, core.state.as_ref())?;
         (core.config, core.step) = (settings.config, settings.step);
         for (mine, restored) in core.groups.groups.iter_mut().zip(settings.groups) {
             *mine = restored;
@@ -152,6 +185,7 @@ impl<T: Checkpointed> TrainingState for T {
         {
             core.on_device = None;
         }
-        restore(&saved, &core.groups.params, core.state.as_mut())
+        core.state = state;
+        Ok(())
     }
 }

@@ -16,12 +16,39 @@ fn parse(state: &SavedState) -> Result<Saved> {
         reason: format!("saved scaler state is unreadable: {e}"),
     })?;
     saved.config.validate()?;
-    if !(saved.state.scale.is_finite() && saved.state.scale > 0.0) {
-        return Err(Error::InvalidScalerConfig {
-            reason: format!("saved scale {} is not usable", saved.state.scale),
-        });
-    }
+    check_state(&saved.state, &saved.config)
+        .map_err(|what| Error::InvalidScalerConfig { reason: format!("saved scaler state: {what}") })?;
     Ok(saved)
+}
+
+/// The invariants the scaler keeps: a state that breaks one was not written by it.
+fn check_state(state: &ScaleState, config: &ScalerConfig) -> std::result::Result<(), String> {
+    let scale = state.scale;
+    if !(scale.is_finite() && scale >= config.min_scale && scale <= config.max_scale) {
+        return Err(format!(
+            "scale {scale} is outside [min_scale, max_scale] = [{}, {}]",
+            config.min_scale, config.max_scale
+        ));
+    }
+    if state.growth_tracker >= config.growth_interval {
+        return Err(format!(
+            "growth_tracker {} is not below growth_interval {}",
+            state.growth_tracker, config.growth_interval
+        ));
+    }
+    if state.hysteresis_left > config.hysteresis {
+        return Err(format!(
+            "hysteresis_left {} is above hysteresis {}",
+            state.hysteresis_left, config.hysteresis
+        ));
+    }
+    if state.skipped.checked_add(state.applied) != Some(state.steps) || state.steps == u64::MAX {
+        return Err(format!(
+            "steps {} is not skipped {} + applied {}",
+            state.steps, state.skipped, state.applied
+        ));
+    }
+    Ok(())
 }
 
 impl TrainingState for GradScaler {
