@@ -192,3 +192,54 @@ fn a_linear_layer_trains_through_the_gemm_op() -> Result<()> {
     assert!(diff <= scale * 1e-5, "{diff} vs {scale}");
     Ok(())
 }
+
+#[test]
+fn linear_with_bias_matches_f64_forward_and_for_all_three_gradients() -> Result<()> {
+    let dev = Device::Cpu;
+    let (rows, inp, out) = (45, 70, 33);
+    for precision in Precision::ALL {
+        let cd = precision.dtype();
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 15, inp), &dev)?)?;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 0.5, (out, inp), &dev)?.to_dtype(cd)?)?;
+        let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, out, &dev)?)?;
+        let y = ops::linear(x.as_tensor(), w.as_tensor(), Some(b.as_tensor()), precision)?;
+        assert_eq!((y.dims(), y.dtype()), (&[3, 15, out][..], cd));
+        let (xv, wv, bv) =
+            (values(x.as_tensor(), cd)?, values(w.as_tensor(), cd)?, values(b.as_tensor(), DType::F32)?);
+        let wt = transpose(&wv, 1, out, inp);
+        let (mut want, abs) = reference(&xv, &wt, (1, rows, inp, out));
+        for (i, v) in want.iter_mut().enumerate() {
+            *v += bv[i % out];
+        }
+        // The bias starts the f32 chain: one more term in the sum.
+        let abs: Vec<f64> = abs.iter().enumerate().map(|(i, a)| a + bv[i % out].abs()).collect();
+        assert_within(&format!("y {precision}"), &y.reshape((rows, out))?, (want, abs), inp + 1, cd)?;
+
+        let g = Tensor::randn(0f32, 1.0, (3, 15, out), &dev)?.to_dtype(cd)?;
+        let grads = (y * &g)?.sum_all()?.backward()?;
+        let gv = values(&g, cd)?;
+        let dx = grads.get(x.as_tensor()).expect("x gradient");
+        assert_within(
+            &format!("dx {precision}"),
+            &dx.reshape((rows, inp))?,
+            reference(&gv, &wv, (1, rows, out, inp)),
+            out,
+            DType::F32,
+        )?;
+        let dw = grads.get(w.as_tensor()).expect("w gradient");
+        let gt = transpose(&gv, 1, rows, out);
+        assert_within(&format!("dw {precision}"), dw, reference(&gt, &xv, (1, out, rows, inp)), rows, cd)?;
+        // The bias gradient: column sums of the rounded upstream gradient, in f32.
+        let db = grads.get(b.as_tensor()).expect("bias gradient");
+        assert_eq!(db.dtype(), DType::F32);
+        let ones = vec![1.0; rows];
+        assert_within(
+            &format!("db {precision}"),
+            db,
+            reference(&ones, &gv, (1, 1, rows, out)),
+            rows,
+            DType::F32,
+        )?;
+    }
+    Ok(())
+}

@@ -2,7 +2,7 @@
 
 mod common;
 
-use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmError, GemmPath, MatMut, MatRef};
+use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmError, GemmPath, MatMut, MatRef, Start};
 use amp_kernels::reference;
 use amp_kernels::Dtype;
 use common::{assert_same, Owned, Rng};
@@ -83,7 +83,8 @@ fn run(path: GemmPath, case: &Case, x: &Inputs) -> Vec<f32> {
     let mut c = Owned::new(case.out, &x.c0);
     let Dims { m, n, .. } = case.dims;
     let out = MatMut { data: c.view_mut(), row_stride: n, batch_stride: m * n };
-    gemm_with(path, case.dims, x.a.view(), x.b.view(), out, case.compute, case.accumulate).unwrap();
+    let start = if case.accumulate { Start::Output } else { Start::Zero };
+    gemm_with(path, case.dims, x.a.view(), x.b.view(), out, case.compute, start).unwrap();
     c.to_f32()
 }
 
@@ -310,10 +311,15 @@ fn k_zero_writes_zeros_or_leaves_c_when_accumulating() {
                 MatRef::row_major(&b[..], 3),
                 out,
                 Compute::Bf16,
-                accumulate,
+                if accumulate { Start::Output } else { Start::Zero },
             )
             .unwrap();
             assert_eq!(c, [if accumulate { 5.0 } else { 0.0 }; 6], "{path} accumulate={accumulate}");
+            let mut c = vec![5.0f32; 6];
+            let out = MatMut::row_major(&mut c[..], 3);
+            let (a, b) = (MatRef::row_major(&a[..], 0), MatRef::row_major(&b[..], 3));
+            gemm_with(path, dims, a, b, out, Compute::Bf16, Start::Bias(&[1.0, 2.0, 3.0])).unwrap();
+            assert_eq!(c, [1.0, 2.0, 3.0, 1.0, 2.0, 3.0], "{path}: k = 0 leaves the bias");
         }
     }
 }
@@ -332,7 +338,7 @@ fn bad_views_are_refused_and_nothing_is_written() {
         MatRef::row_major(&b[..], 2),
         MatMut::row_major(&mut c[..], 2),
         Compute::F32,
-        false,
+        Start::Zero,
     )
     .unwrap_err();
     assert!(matches!(err, GemmError::OutOfBounds { operand: "A", needed: 7, len: 6, .. }), "{err}");
@@ -346,7 +352,7 @@ fn bad_views_are_refused_and_nothing_is_written() {
         MatRef::row_major(&b[..], 2),
         overlap,
         Compute::F32,
-        false,
+        Start::Zero,
     )
     .unwrap_err();
     assert!(matches!(err, GemmError::OverlappingOutput { .. }), "{err}");
@@ -359,7 +365,7 @@ fn bad_views_are_refused_and_nothing_is_written() {
         MatRef::row_major(&b[..], 2),
         MatMut::row_major(&mut c[..], 2),
         Compute::F32,
-        false,
+        Start::Zero,
     );
     assert!(matches!(err, Err(GemmError::OutOfBounds { needed: usize::MAX, .. })), "{err:?}");
     assert_eq!(c, [7.0; 4]);
@@ -377,9 +383,51 @@ fn forcing_a_path_the_cpu_lacks_names_the_missing_features() {
             MatRef::row_major(&b[..], 1),
             MatMut::row_major(&mut c[..], 1),
             Compute::Bf16,
-            false,
+            Start::Zero,
         )
         .unwrap_err();
         assert!(err.to_string().contains("this CPU lacks"), "{err}");
     }
+}
+
+#[test]
+fn a_bias_row_starts_every_row_and_is_rounded_with_the_sum_once() {
+    let mut rng = Rng(13);
+    for out in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+        for mut case in edge_cases(Compute::Bf16, out, false) {
+            case.a.0 = Dtype::F32;
+            let x = inputs(&case, &mut rng, -4, 4);
+            let Dims { batch, m, n, .. } = case.dims;
+            let bias = rng.vec(n, -2, 2);
+            let want = reference::gemm(case.dims, x.a.view(), x.b.view(), case.compute);
+            for path in GemmPath::supported() {
+                let mut c = Owned::new(out, &vec![f32::NAN; batch * m * n]);
+                let view = MatMut { data: c.view_mut(), row_stride: n, batch_stride: m * n };
+                gemm_with(path, case.dims, x.a.view(), x.b.view(), view, case.compute, Start::Bias(&bias))
+                    .unwrap();
+                for (i, g) in c.to_f32().into_iter().enumerate() {
+                    let b = f64::from(bias[i % n]);
+                    let (w, bound) = (want.c[i] + b, want.bound(i, b, out_unit(out)));
+                    assert!(
+                        (f64::from(g) - w).abs() <= bound,
+                        "{path} {case:?}: C[{i}] = {g:e}, want {w:e} +- {bound:e}"
+                    );
+                }
+            }
+        }
+    }
+    let (a, b) = ([1.0f32; 4], [1.0f32; 4]);
+    let mut c = [0.0f32; 4];
+    let short = [0.0f32; 1];
+    let err = gemm_with(
+        GemmPath::Portable,
+        Dims::new(2, 2, 2),
+        MatRef::row_major(&a[..], 2),
+        MatRef::row_major(&b[..], 2),
+        MatMut::row_major(&mut c[..], 2),
+        Compute::F32,
+        Start::Bias(&short),
+    )
+    .unwrap_err();
+    assert_eq!(err, GemmError::BiasLength { len: 1, n: 2 });
 }

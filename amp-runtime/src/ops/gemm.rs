@@ -6,9 +6,9 @@
 //! dtype once. Its backward runs the same GEMM: `dA = dC·B^T` and `dB = A^T·dC`, each written in its
 //! operand's dtype, with `dC` rounded to the compute precision as the forward's operands were.
 
-use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef};
+use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use crate::dispatch::{self, compute_of, MatmulKernel};
 use crate::Precision;
@@ -29,6 +29,29 @@ pub fn matmul_to(a: &Tensor, b: &Tensor, compute: Precision, out: DType) -> Resu
             let dtype = compute.dtype();
             a.to_dtype(dtype)?.matmul(&b.to_dtype(dtype)?)?.to_dtype(out)
         }
+    }
+}
+
+/// `x W^T + b` for `x` `(rows, in)`, `weight` `(out, in)` and `bias` `(out)`: one GEMM that starts
+/// every row from the bias (added in f32, rounded once with the sum into `out`). Its backward runs two
+/// GEMMs and sums the bias gradient in f32. `None` when the dispatcher does not pick amp's GEMM.
+pub(crate) fn linear_bias(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    compute: Precision,
+    out: DType,
+) -> Result<Option<Tensor>> {
+    let (rows, inputs) = x.dims2()?;
+    let outputs = weight.dim(0)?;
+    let dims = Dims::new(rows, outputs, inputs);
+    match dispatch::explain(x.device(), compute, dims).kernel {
+        MatmulKernel::Amp(path) if [x.dtype(), weight.dtype(), out].into_iter().all(is_float) => {
+            let bias = bias.to_dtype(DType::F32)?.contiguous()?;
+            let op = LinearOp { gemm: GemmOp { path, compute: compute_of(compute), out } };
+            Ok(Some(x.apply_op3(weight, &bias, op)?))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -145,6 +168,27 @@ fn operand<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<(MatRef<'a>, 
     Ok((view, batch, [dims[r - 2], dims[r - 1]]))
 }
 
+impl GemmOp {
+    /// Storage for `len` output elements in the output dtype (f32 unless f16 / bf16 was asked for).
+    fn output(&self, len: usize) -> CpuStorage {
+        match self.out {
+            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; len]),
+            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; len]),
+            _ => CpuStorage::F32(vec![0.0; len]),
+        }
+    }
+}
+
+/// The output storage as the kernel's mutable slice.
+fn out_slice(storage: &mut CpuStorage) -> amp_kernels::GradSliceMut<'_> {
+    match storage {
+        CpuStorage::F16(v) => (&mut v[..]).into(),
+        CpuStorage::BF16(v) => (&mut v[..]).into(),
+        CpuStorage::F32(v) => (&mut v[..]).into(),
+        _ => unreachable!("GemmOp::output allocates f32, f16 or bf16"),
+    }
+}
+
 impl CustomOp2 for GemmOp {
     fn name(&self) -> &'static str {
         "amp-gemm"
@@ -160,20 +204,9 @@ impl CustomOp2 for GemmOp {
         let (a, batch, [m, k]) = operand(s1, l1)?;
         let (b, _, [_, n]) = operand(s2, l2)?;
         let dims = Dims { batch, m, n, k };
-        let len = batch * m * n;
-        let mut storage = match self.out {
-            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; len]),
-            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; len]),
-            _ => CpuStorage::F32(vec![0.0; len]),
-        };
-        let data: amp_kernels::GradSliceMut<'_> = match &mut storage {
-            CpuStorage::F16(v) => (&mut v[..]).into(),
-            CpuStorage::BF16(v) => (&mut v[..]).into(),
-            CpuStorage::F32(v) => (&mut v[..]).into(),
-            _ => unreachable!("allocated just above as f32, f16 or bf16"),
-        };
-        let c = MatMut { data, row_stride: n, batch_stride: m * n };
-        gemm_with(self.path, dims, a, b, c, self.compute, false).map_err(candle_core::Error::wrap)?;
+        let mut storage = self.output(batch * m * n);
+        let c = MatMut { data: out_slice(&mut storage), row_stride: n, batch_stride: m * n };
+        gemm_with(self.path, dims, a, b, c, self.compute, Start::Zero).map_err(candle_core::Error::wrap)?;
         let shape: Shape = if l1.dims().len() == 3 { (batch, m, n).into() } else { (m, n).into() };
         Ok((storage, shape))
     }
@@ -188,5 +221,56 @@ impl CustomOp2 for GemmOp {
         let da = grad.apply_op2(&b.t()?, GemmOp { out: a.dtype(), ..*self })?;
         let db = a.t()?.apply_op2(grad, GemmOp { out: b.dtype(), ..*self })?;
         Ok((Some(da), Some(db)))
+    }
+}
+
+/// The candle op of a Linear with bias: `x W^T + b` with the bias as the GEMM's starting row.
+#[derive(Clone, Copy, Debug)]
+struct LinearOp {
+    gemm: GemmOp,
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "amp-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, _, [rows, inputs]) = operand(s1, l1)?;
+        let (w, _, [outputs, _]) = operand(s2, l2)?;
+        // The weight (out, in) read as the (in, out) operand: its strides swapped.
+        let w_t = MatRef { row_stride: w.col_stride, col_stride: w.row_stride, ..w };
+        let bias = match (s3, l3.contiguous_offsets()) {
+            (CpuStorage::F32(v), Some((start, end))) => &v[start..end],
+            _ => return Err(candle_core::Error::Msg("amp-linear: the bias must be contiguous f32".into())),
+        };
+        let dims = Dims::new(rows, outputs, inputs);
+        let mut storage = self.gemm.output(rows * outputs);
+        let c = MatMut { data: out_slice(&mut storage), row_stride: outputs, batch_stride: 0 };
+        gemm_with(self.gemm.path, dims, x, w_t, c, self.gemm.compute, Start::Bias(bias))
+            .map_err(candle_core::Error::wrap)?;
+        Ok((storage, (rows, outputs).into()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dx = grad.apply_op2(w, GemmOp { out: x.dtype(), ..self.gemm })?;
+        let dw = grad.t()?.apply_op2(x, GemmOp { out: w.dtype(), ..self.gemm })?;
+        let db = grad.to_dtype(DType::F32)?.sum(0)?;
+        Ok((Some(dx), Some(dw), Some(db)))
     }
 }

@@ -73,11 +73,16 @@ pub(crate) fn linear_to(
         *dims.last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
     let rows = x.elem_count() / features.max(1);
     let x2 = if dims.len() == 2 { x.clone() } else { x.reshape((rows, features))? };
-    let y = match bias {
-        Some(bias) => matmul_to(&x2, &weight.t()?, compute, DType::F32)?
+    let fused = match bias {
+        Some(bias) => gemm::linear_bias(&x2, weight, bias, compute, out)?,
+        None => None,
+    };
+    let y = match (fused, bias) {
+        (Some(y), _) => y,
+        (None, Some(bias)) => matmul_to(&x2, &weight.t()?, compute, DType::F32)?
             .broadcast_add(&bias.to_dtype(DType::F32)?)?
             .to_dtype(out)?,
-        None => matmul_to(&x2, &weight.t()?, compute, out)?,
+        (None, None) => matmul_to(&x2, &weight.t()?, compute, out)?,
     };
     if dims.len() == 2 {
         return Ok(y);

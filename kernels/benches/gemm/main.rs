@@ -15,7 +15,7 @@
 mod peak;
 mod timing;
 
-use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef};
+use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
 use half::f16;
@@ -226,7 +226,7 @@ fn run(quick: bool) {
                         MatMut::row_major(&mut c32[..], s.n),
                     ),
                 };
-                gemm_with(path, dims, a, b, out, compute, false).unwrap();
+                gemm_with(path, dims, a, b, out, compute, Start::Zero).unwrap();
             }
             Contender::CandleF32 => drop(ca32.matmul(&cb32).unwrap()),
             Contender::CandleBf16 => drop(cabf.matmul(&cbbf).unwrap()),

@@ -5,7 +5,7 @@ use std::time::Instant;
 use crate::peak::Peaks;
 
 /// Wall time each contender should get per shape, summed over its rounds.
-const BUDGET_S: f64 = 1.5;
+const BUDGET_S: f64 = 0.6;
 
 pub fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();

@@ -5,7 +5,8 @@
 //! 2. C is cut into blocks of `MC x NC`; blocks run in parallel. Inside a block, for each k-block of
 //!    `KC` steps, each B micro-panel (`KC x NR`, L1-sized) is swept by every A micro-panel of the block.
 //! 3. f32 output is accumulated in place; f16 / bf16 output is accumulated in an f32 scratch block
-//!    (per worker thread) and rounded once at the end, so a half C never holds a partial sum.
+//!    (per worker thread) and rounded once at the end, so a half C never holds a partial sum. A block
+//!    starts from zero, from C, or from a bias row ([`Start`]), written into it before the products.
 //!
 //! Every element of C is one FMA chain in `k` order regardless of blocking or thread count.
 
@@ -18,7 +19,7 @@ use rayon::prelude::*;
 use super::layout::{Dims, MatMut, MatRef};
 use super::micro::{self, Micro, MAX_TILE};
 use super::pack::{Lines, PackInto};
-use super::{Compute, GemmPath};
+use super::{Compute, GemmPath, Start};
 use crate::{GradSlice, GradSliceMut};
 
 /// Products below this many flops run on the calling thread only.
@@ -39,9 +40,9 @@ pub(crate) fn run(
     b: MatRef<'_>,
     c: MatMut<'_>,
     compute: Compute,
-    accumulate: bool,
+    start: Start<'_>,
 ) {
-    let job = Job { dims, a, b, out: Out::new(c), compute, accumulate };
+    let job = Job { dims, a, b, out: Out::new(c), compute, start };
     const CHECKED: &str = "GemmPath::check found this path supported";
     match path {
         GemmPath::Portable => job.run(micro::FmaPortable),
@@ -95,7 +96,7 @@ struct Job<'a> {
     b: MatRef<'a>,
     out: Out,
     compute: Compute,
-    accumulate: bool,
+    start: Start<'a>,
 }
 
 /// A block of C: batch item, first row and column, and its size.
@@ -193,16 +194,15 @@ impl Job<'_> {
             // SAFETY: `origin` and the block's extent lie inside C (layout::check), and no other block
             // writes these elements.
             Ptr::F32(c) => unsafe {
-                self.sweep(
-                    micro,
-                    blk,
-                    steps,
-                    a_packed,
-                    b_packed,
-                    c.add(origin),
-                    out.row_stride,
-                    self.accumulate,
-                );
+                let c = c.add(origin);
+                if let Start::Bias(bias) = self.start {
+                    for r in 0..blk.rows {
+                        let row = std::slice::from_raw_parts_mut(c.add(r * out.row_stride), blk.cols);
+                        row.copy_from_slice(&bias[blk.col..blk.col + blk.cols]);
+                    }
+                }
+                let starts_from_c = !matches!(self.start, Start::Zero);
+                self.sweep(micro, blk, steps, a_packed, b_packed, c, out.row_stride, starts_from_c);
             },
             Ptr::F16(c) => {
                 self.through_scratch(micro, blk, steps, a_packed, b_packed, c.wrapping_add(origin))
@@ -227,9 +227,13 @@ impl Job<'_> {
         let mut scratch = SCRATCH.take();
         scratch.resize(blk.rows * blk.cols, 0.0);
         for (r, row) in scratch.chunks_exact_mut(blk.cols).enumerate() {
-            if self.accumulate {
+            match self.start {
+                Start::Zero => {}
                 // SAFETY: row r of the block lies inside C and belongs to this block only.
-                H::widen(unsafe { std::slice::from_raw_parts(c.add(r * ldc), blk.cols) }, row);
+                Start::Output => {
+                    H::widen(unsafe { std::slice::from_raw_parts(c.add(r * ldc), blk.cols) }, row)
+                }
+                Start::Bias(bias) => row.copy_from_slice(&bias[blk.col..blk.col + blk.cols]),
             }
         }
         // SAFETY: the scratch holds `rows x cols` floats at distance `cols`.
@@ -242,7 +246,7 @@ impl Job<'_> {
                 b_packed,
                 scratch.as_mut_ptr(),
                 blk.cols,
-                self.accumulate,
+                !matches!(self.start, Start::Zero),
             );
         }
         for (r, row) in scratch.chunks_exact(blk.cols).enumerate() {
@@ -252,7 +256,8 @@ impl Job<'_> {
         SCRATCH.set(scratch);
     }
 
-    /// Every tile of the block, k-block by k-block, into f32 `c` (the block's origin, rows `ldc` apart).
+    /// Every tile of the block, k-block by k-block, into f32 `c` (the block's origin, rows `ldc` apart),
+    /// adding to what `c` holds when `starts_from_c`, else starting from zero.
     ///
     /// # Safety
     /// `c` is valid for the block's `rows x cols` floats at distance `ldc`.
@@ -266,10 +271,10 @@ impl Job<'_> {
         b_packed: &[M::Packed],
         c: *mut f32,
         ldc: usize,
-        accumulate: bool,
+        starts_from_c: bool,
     ) {
         if steps == 0 {
-            if !accumulate {
+            if !starts_from_c {
                 for r in 0..blk.rows {
                     // SAFETY: row r of the block, as the caller guarantees.
                     unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), blk.cols) }.fill(0.0);
@@ -282,7 +287,7 @@ impl Job<'_> {
         let b_panel = |p: usize| &b_packed[(blk.batch * b_panels + blk.col / M::NR + p) * steps * M::NR..];
         for k0 in (0..steps).step_by(M::KC) {
             let kc = M::KC.min(steps - k0);
-            let load = accumulate || k0 > 0;
+            let load = starts_from_c || k0 > 0;
             for jp in 0..blk.cols.div_ceil(M::NR) {
                 let b = b_panel(jp)[k0 * M::NR..].as_ptr();
                 let cols = M::NR.min(blk.cols - jp * M::NR);

@@ -149,6 +149,14 @@ pub enum GemmError {
         /// The smallest batch stride that does not overlap.
         min_batch_stride: usize,
     },
+    /// A bias row whose length is not C's column count.
+    #[error("GEMM bias has {len} elements but C has {n} columns")]
+    BiasLength {
+        /// The bias's length.
+        len: usize,
+        /// C's columns.
+        n: usize,
+    },
     /// The path cannot run here or cannot compute this product.
     #[error("GEMM path `{path}` cannot run: {reason}")]
     Unsupported {

@@ -18,7 +18,7 @@
 //!   element of C is summed in the same order whatever the thread count, so results are deterministic.
 //!
 //! ```
-//! use amp_kernels::gemm::{gemm, Compute, Dims, MatMut, MatRef};
+//! use amp_kernels::gemm::{gemm, Compute, Dims, MatMut, MatRef, Start};
 //! use half::bf16;
 //!
 //! // (2 x 3) · (3 x 2), both bf16, C in f32.
@@ -31,7 +31,7 @@
 //!     MatRef::row_major(&b[..], 2),
 //!     MatMut::row_major(&mut c[..], 2),
 //!     Compute::Bf16,
-//!     false,
+//!     Start::Zero,
 //! )?;
 //! assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);
 //! # Ok::<(), amp_kernels::gemm::GemmError>(())
@@ -50,8 +50,9 @@ pub use dpbf16::{dpbf16_lane, dpbf16_pair};
 pub use layout::{Dims, GemmError, MatMut, MatRef};
 pub use path::{Compute, GemmPath};
 
-/// `C = A·B` (or `C += A·B` when `accumulate`) on the fastest path this CPU has for `compute`
-/// ([`GemmPath::choose`]).
+/// `C = start + A·B` on the fastest path this CPU has for `compute` ([`GemmPath::choose`]): `start` is
+/// zero, C itself (`C += A·B`) or a bias row added to every row (a Linear's epilogue, in f32 before C
+/// is rounded).
 ///
 /// # Errors
 /// [`GemmError`] if an operand's strides reach past its slice, or C's elements overlap.
@@ -61,9 +62,9 @@ pub fn gemm(
     b: MatRef<'_>,
     c: MatMut<'_>,
     compute: Compute,
-    accumulate: bool,
+    start: Start<'_>,
 ) -> Result<(), GemmError> {
-    gemm_with(GemmPath::choose(compute), dims, a, b, c, compute, accumulate)
+    gemm_with(GemmPath::choose(compute), dims, a, b, c, compute, start)
 }
 
 /// [`gemm`] on an explicit path.
@@ -78,10 +79,26 @@ pub fn gemm_with(
     b: MatRef<'_>,
     c: MatMut<'_>,
     compute: Compute,
-    accumulate: bool,
+    start: Start<'_>,
 ) -> Result<(), GemmError> {
     path.check(compute)?;
     layout::check(dims, &a, &b, &c)?;
-    driver::run(path, dims, a, b, c, compute, accumulate);
+    if let Start::Bias(bias) = start {
+        if bias.len() != dims.n {
+            return Err(GemmError::BiasLength { len: bias.len(), n: dims.n });
+        }
+    }
+    driver::run(path, dims, a, b, c, compute, start);
     Ok(())
+}
+
+/// What each element of C starts from before the products are added.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Start<'a> {
+    /// Zero: `C = A·B`.
+    Zero,
+    /// C's current values: `C += A·B` (a half C is widened, summed in f32 and rounded once).
+    Output,
+    /// `bias[j]` in every row: `C = bias + A·B`, the bias added in f32 before C is rounded.
+    Bias(&'a [f32]),
 }
