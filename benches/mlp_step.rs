@@ -8,6 +8,10 @@
 //!
 //! Run: `cargo bench --bench mlp_step` (about a minute).
 
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::time::Instant;
 
 use amp::dispatch::{self, Override};

@@ -7,10 +7,14 @@
 //! Precision: the attention block is a composite, not a [`crate::Layer`]; `amp::initialize` reaches its
 //! four projections (`q_proj`, `k_proj`, `v_proj`, `out_proj`), which inherit the precision requested
 //! for the block. Each projection computes in its own compute precision; the block's own two products,
-//! `q k^T` and `probs v`, run in **`q_proj`'s compute precision** (f32 accumulation). `q` is scaled by
-//! `1/sqrt(d)` before the product (exact when `d` is a power of 4, as 16, 64 and 256 are), so the scores
-//! are `sqrt(d)` times further from fp16's overflow. The mask and softmax are f32 ([`crate::ops::softmax`],
-//! differentiable); the probabilities are rounded once to the compute precision for `probs v`.
+//! `q k^T` and `probs v`, run in **`q_proj`'s compute precision** (f32 accumulation). Between products
+//! the activations stay f32: each product rounds its operands to the compute precision as it reads
+//! them ([`crate::ops::matmul_to`]; on the CPU while packing, so no cast pass and no half-precision
+//! elementwise op runs, and candle's half elementwise ops and gradient sums are slow on CPU). `q` is
+//! scaled by `1/sqrt(d)` before the product (exact when `d` is a power of 4, as 16, 64 and 256 are),
+//! so the scores are `sqrt(d)` times further from fp16's overflow. The mask and softmax are f32
+//! ([`crate::ops::softmax`], differentiable); the probabilities are rounded once to the compute
+//! precision for `probs v`.
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
@@ -90,29 +94,29 @@ impl MultiHeadAttention {
         let t_k = context.dim(1)?;
         let head_dim = embed / self.num_heads;
         let heads = |x: Tensor, len: usize| -> Result<Tensor> {
-            let x = x.reshape((batch, len, self.num_heads, head_dim))?.transpose(1, 2)?.contiguous()?;
-            x.to_dtype(compute.dtype())
+            x.reshape((batch, len, self.num_heads, head_dim))?.transpose(1, 2)?.contiguous()
         };
         let q = (heads(project(&self.q_proj, query)?, t_q)? * (1.0 / (head_dim as f64).sqrt()))?;
         let k = heads(project(&self.k_proj, context)?, t_k)?;
         let v = heads(project(&self.v_proj, context)?, t_k)?;
-        let mut scores = ops::matmul(&q, &k.t()?, compute)?.to_dtype(DType::F32)?;
+        let mut scores = ops::matmul_to(&q, &k.t()?, compute, DType::F32)?;
         if causal {
             scores = scores.broadcast_add(&causal_mask(t_q, t_k, query.device())?)?;
         }
         let probs = ops::softmax(&scores, D::Minus1)?;
-        let mixed = ops::matmul(&probs, &v, compute)?.transpose(1, 2)?.reshape((batch, t_q, embed))?;
+        let mixed = ops::matmul_to(&probs, &v, compute, DType::F32)?;
+        let mixed = mixed.transpose(1, 2)?.reshape((batch, t_q, embed))?;
         let y = project(&self.out_proj, &mixed)?;
         super::cast_output(y, self.out_proj.precision(), query.dtype())
     }
 }
 
-/// `x W^T + b` in the projection's compute precision, the result left there (no round trip through
-/// the projection's output precision).
+/// `x W^T + b` in the projection's compute precision, the f32 sum left in f32 (the next product rounds
+/// it as it reads it).
 fn project(proj: &Linear, x: &Tensor) -> Result<Tensor> {
     let compute = proj.precision().compute;
-    let bias = proj.bias().map(|b| b.in_precision(compute)).transpose()?;
-    ops::linear(x, &proj.weight().in_precision(compute)?, bias.as_ref(), compute)
+    let bias = proj.bias().map(|b| b.in_precision(Precision::Fp32)).transpose()?;
+    ops::linear_to(x, &proj.weight().in_precision(compute)?, bias.as_ref(), compute, DType::F32)
 }
 
 /// `(t_q, t_k)` f32: 0 where `j <= i`, `-inf` where `j > i`.

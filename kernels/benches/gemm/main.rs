@@ -62,10 +62,11 @@ fn shapes(quick: bool) -> Vec<Shape> {
     if quick {
         return v;
     }
-    // The main job (examples/train, default size): 16 x 128 tokens, d_model 256, MLP 1024.
-    v.extend(linear("main qkv", 2048, 256, 768));
-    v.extend(linear("main mlp-up", 2048, 256, 1024));
-    v.extend(linear("main mlp-down", 2048, 1024, 256));
+    // The main job (examples/train, default size): 8 x 128 tokens, d_model 256 (q, k, v and out
+    // projections 256 x 256), MLP 1024.
+    v.extend(linear("main proj", 1024, 256, 256));
+    v.extend(linear("main mlp-up", 1024, 256, 1024));
+    v.extend(linear("main mlp-down", 1024, 1024, 256));
     // A BERT-base layer at 16 x 128 tokens: d 768, FFN 3072.
     v.extend(linear("bert qkv", 2048, 768, 2304));
     v.extend(linear("bert ffn-up", 2048, 768, 3072));
