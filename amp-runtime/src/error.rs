@@ -55,6 +55,27 @@ pub enum Error {
         problems: crate::checkpoint::CheckpointProblems,
     },
 
+    // ---- models built through a VarBuilder ----
+    /// An `AmpVarMap` used in a way that would let the model's tensors and the trained values part.
+    #[error("AmpVarMap: {reason}")]
+    InvalidVarMapUse {
+        /// What was asked, and why it cannot be done.
+        reason: String,
+    },
+    /// `amp::initialize` asked to convert a parameter whose dtype a candle model already holds.
+    #[error(
+        "`{path}` is stored as {from:?} inside a model built through amp's VarBuilder and cannot become \
+         {to:?}: build the model again from an `AmpVarMap` of the wanted level"
+    )]
+    StorageFixed {
+        /// The parameter.
+        path: String,
+        /// Its storage.
+        from: crate::ParamStorage,
+        /// The storage asked for.
+        to: crate::ParamStorage,
+    },
+
     // ---- loss scaling ----
     /// A scaler setting out of range.
     #[error("invalid loss-scaler setting: {reason}")]
@@ -75,6 +96,19 @@ pub enum Error {
         scale: f32,
         /// What was not finite.
         what: String,
+    },
+
+    /// Trainable parameters that received no gradient on the first step (see
+    /// [`MissingGradients`](crate::scaler::MissingGradients)); nothing was changed.
+    #[error(
+        "{} trainable parameter(s) received no gradient on the first step, so training would never change \
+         them; nothing was changed:{params}\n  if they are frozen on purpose, build the scaler with \
+         `.on_missing_gradients(MissingGradients::Warn)`",
+        params.0.len()
+    )]
+    NoGradient {
+        /// Each parameter with its likely cause.
+        params: crate::scaler::NoGradients,
     },
 
     // ---- optimizers ----
