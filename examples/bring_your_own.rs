@@ -8,7 +8,7 @@
 //! no backward: its query and key projections never receive a gradient in candle. amp's first step
 //! names them; this example declares them frozen (`MissingGradients::Warn`) and trains the rest.
 //!
-//! `cargo run --release --example bring_your_own`
+//! `cargo run --release --example bring_your_own` (`-- --steps N`, `--help`)
 
 use std::time::Instant;
 
@@ -241,9 +241,18 @@ pub fn tail_mean(values: &[f32], n: usize) -> f32 {
     values[values.len() - n..].iter().sum::<f32>() / n as f32
 }
 
+/// candle-transformers' Gemma trained as fp32, bf16 O2 and fp16 O2 through amp's VarBuilder.
+#[derive(Debug, clap::Parser)]
+#[command(name = "bring_your_own")]
+struct Args {
+    /// Optimizer steps per run
+    #[arg(long, value_name = "N", default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: u32,
+}
+
 #[allow(dead_code)]
 fn main() -> amp::Result<()> {
-    let steps = 300;
+    let steps = <Args as clap::Parser>::parse().steps as usize;
     let markov = Markov::new(7);
     let (train_set, eval_set) = (markov.batches(1, steps)?, markov.batches(2, 8)?);
     let initial = initial_weights(3)?;
