@@ -123,11 +123,28 @@ pub enum Error {
         /// Its storage precision.
         precision: crate::Precision,
     },
-    /// Optimizer settings or saved state that cannot be used.
+    /// Optimizer saved state that does not fit the optimizer it is loaded into.
     #[error("optimizer: {reason}")]
     OptimizerState {
         /// What is wrong.
         reason: String,
+    },
+    /// Optimizer settings that cannot be used together.
+    #[error("invalid optimizer setting: {reason}")]
+    InvalidOptimizerConfig {
+        /// Which settings, and what would be valid.
+        reason: String,
+    },
+    /// The JSON part of a saved training state (a scaler's, an optimizer's) could not be read.
+    #[error(
+        "the saved `{key}` state in the checkpoint is unreadable (written by another version, or damaged)"
+    )]
+    SavedStateUnreadable {
+        /// The state's key in the checkpoint.
+        key: String,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
     },
 
     // ---- memory access ----

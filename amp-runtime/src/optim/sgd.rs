@@ -43,12 +43,19 @@ impl FusedSgd {
     /// An optimizer over `groups`; refuses Nesterov without momentum or with dampening, as PyTorch does.
     pub fn new(groups: ParamGroups, config: SgdConfig) -> Result<Self> {
         if config.nesterov && (config.momentum <= 0.0 || config.dampening != 0.0) {
-            return Err(Error::OptimizerState {
+            return Err(Error::InvalidOptimizerConfig {
                 reason: "Nesterov momentum needs momentum > 0 and dampening 0".into(),
             });
         }
         let state = [Buffers::zeros("momentum_buffer", &groups.params, config.momentum != 0.0)];
         Ok(FusedSgd { core: Core::new(groups, config, state) })
+    }
+
+    /// Names the optimizer in checkpoints (default `"optimizer"`), so that two optimizers (of two models,
+    /// or of two parameter sets) can be saved in one checkpoint, as `GradScaler::named` does for scalers.
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.core.key = name.into();
+        self
     }
 
     /// One step on the CUDA device of the gradients (the state moves there on the first).

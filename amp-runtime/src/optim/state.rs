@@ -58,12 +58,14 @@ pub(crate) fn save<S: serde::Serialize>(
 
 /// Parses the settings and checks that every buffer in use has the right length, changing nothing.
 pub(crate) fn check<S: serde::de::DeserializeOwned>(
+    key: &str,
     state: &SavedState,
     params: &[OptimParam],
     buffers: &[Buffers],
 ) -> Result<S> {
     let bad = |reason: String| Error::OptimizerState { reason };
-    let settings = serde_json::from_str(&state.json).map_err(|e| bad(format!("unreadable settings: {e}")))?;
+    let settings = serde_json::from_str(&state.json)
+        .map_err(|source| Error::SavedStateUnreadable { key: key.to_string(), source })?;
     let by_name: HashMap<&str, &Tensor> = state.tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for buffer in buffers.iter().filter(|b| b.used) {
         for (param, values) in params.iter().zip(&buffer.values) {
@@ -120,7 +122,7 @@ struct Settings<C> {
 
 impl<T: Checkpointed> TrainingState for T {
     fn state_key(&self) -> String {
-        "optimizer".into()
+        self.core().key.clone()
     }
 
     fn save_state(&self) -> Result<SavedState> {
@@ -137,12 +139,13 @@ impl<T: Checkpointed> TrainingState for T {
 
     fn check_state(&self, saved: &SavedState) -> Result<()> {
         let core = self.core();
-        check::<Settings<T::Config>>(saved, &core.groups.params, core.state.as_ref()).map(|_| ())
+        check::<Settings<T::Config>>(&core.key, saved, &core.groups.params, core.state.as_ref()).map(|_| ())
     }
 
     fn restore_state(&mut self, saved: SavedState) -> Result<()> {
         let core = self.core_mut();
-        let settings: Settings<T::Config> = check(&saved, &core.groups.params, core.state.as_ref())?;
+        let settings: Settings<T::Config> =
+            check(&core.key, &saved, &core.groups.params, core.state.as_ref())?;
         (core.config, core.step) = (settings.config, settings.step);
         for (mine, restored) in core.groups.groups.iter_mut().zip(settings.groups) {
             *mine = restored;
