@@ -9,6 +9,7 @@
 //! - [`convert`]: f32 <-> f16 / bf16 with `half`'s rounding, bit for bit.
 //! - [`scale`]: the dynamic loss scale's state machine (growth, backoff, hysteresis, floor, ceiling).
 //! - [`reference`](mod@reference): slow scalar versions of every kernel, the oracle of the tests.
+//! - [`timing`]: the interleaved timing harness of the workspace's benchmarks.
 //! - [`cuda`]: the same kernels for NVIDIA GPUs, CUDA C++ compiled at run time with NVRTC (feature `cuda`),
 //!   plus the loss scale's state machine on the device.
 //!
@@ -57,6 +58,7 @@ pub mod scale;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 mod slices;
+pub mod timing;
 pub mod unscale;
 
 pub use isa::Isa;
