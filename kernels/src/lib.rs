@@ -42,6 +42,7 @@
 //! assert!((master[0] - 0.9).abs() < 1e-6);
 //! assert_eq!(working[0], f16::from_f32(master[0]));
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))] // docs.rs: items of the `cuda` feature say so
 #![warn(missing_docs)]
 
 mod backend;
