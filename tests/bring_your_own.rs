@@ -210,3 +210,55 @@ fn asking_again_for_a_tensor_with_another_shape_or_dtype_is_refused() -> amp::Re
     assert!(dtype.contains("F16") && dtype.contains("BF16"), "{dtype}");
     Ok(())
 }
+
+#[test]
+fn batch_norm_statistics_are_buffers_that_checkpoints_save_and_optimizers_skip() -> amp::Result<()> {
+    let device = Device::Cpu;
+    let varmap = AmpVarMap::new(AmpConfig::new(OptLevel::O2, &device).with_half(Precision::Bf16));
+    let _norm = candle_nn::batch_norm(3, 1e-5, varmap.var_builder(&device).pp("bn"))?;
+    let params: Vec<String> = varmap.named_params().into_iter().map(|(name, _)| name).collect();
+    let buffers: Vec<String> = varmap.named_buffers().into_iter().map(|(name, _)| name).collect();
+    assert_eq!(params, ["bn.weight", "bn.bias"]);
+    assert_eq!(buffers, ["bn.running_mean", "bn.running_var"]);
+    assert_eq!(
+        ParamGroups::from_model(&varmap)?.params().len(),
+        2,
+        "the optimizer never sees the statistics"
+    );
+    Ok(())
+}
+
+#[test]
+fn initial_values_are_checked_against_the_model_and_unused_ones_listed() -> amp::Result<()> {
+    let device = Device::Cpu;
+    let config = AmpConfig::new(OptLevel::O2, &device);
+    let good = [("fc1.weight".to_string(), Tensor::zeros((HIDDEN, INPUTS), DType::F32, &device)?)];
+    let varmap = AmpVarMap::new(config)
+        .with_initial(good)?
+        .with_initial([("fc9.weight".to_string(), Tensor::zeros(1, DType::F32, &device)?)])?;
+    let _model = Classifier::new(varmap.var_builder(&device))?;
+    let fc1 = &varmap.named_params()[0].1;
+    assert_eq!(
+        fc1.master().as_tensor().sum_all()?.to_scalar::<f32>()?,
+        0.0,
+        "started from the initial value"
+    );
+    assert_eq!(varmap.unused_initial()?, ["fc9.weight"]);
+
+    let wrong = [("fc1.weight".to_string(), Tensor::zeros((INPUTS, HIDDEN), DType::F32, &device)?)];
+    let varmap = AmpVarMap::new(config).with_initial(wrong)?;
+    let err = Classifier::new(varmap.var_builder(&device)).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("`fc1.weight`") && err.contains("[64, 16]") && err.contains("[16, 64]"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn o3_hands_out_half_parameters_that_amps_optimizers_refuse() -> amp::Result<()> {
+    let device = Device::Cpu;
+    let varmap = AmpVarMap::new(AmpConfig::new(OptLevel::O3, &device).with_half(Precision::Bf16));
+    let _model = Classifier::new(varmap.var_builder(&device))?;
+    assert_eq!(varmap.named_params()[0].1.storage(), ParamStorage::Half(Precision::Bf16));
+    let err = ParamGroups::from_model(&varmap).unwrap_err();
+    assert!(matches!(err, amp::Error::NoFp32Master { .. }), "{err}");
+    Ok(())
+}
