@@ -8,7 +8,7 @@
 //! no backward: its query and key projections never receive a gradient in candle. amp's first step
 //! names them; this example declares them frozen (`MissingGradients::Warn`) and trains the rest.
 //!
-//! `cargo run --release --example bring_your_own` (`-- --steps N`, `--help`)
+//! `cargo run --release --example bring_your_own` (`-- --seeds N --steps N`, `--help`)
 
 use std::time::Instant;
 
@@ -248,39 +248,57 @@ struct Args {
     /// Optimizer steps per run
     #[arg(long, value_name = "N", default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..))]
     steps: u32,
+    /// Seeds (each: its own initial weights and training batches; the chain and held-out set stay)
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    seeds: u64,
+}
+
+/// Mean and sample standard deviation.
+fn mean_std(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    (mean, (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0)).sqrt())
 }
 
 #[allow(dead_code)]
 fn main() -> amp::Result<()> {
-    let steps = <Args as clap::Parser>::parse().steps as usize;
-    let markov = Markov::new(7);
-    let (train_set, eval_set) = (markov.batches(1, steps)?, markov.batches(2, 8)?);
-    let initial = initial_weights(3)?;
-    println!("candle-transformers Gemma, {steps} AdamW steps, batch {BATCH}, random weights");
-    let mut outcomes = Vec::new();
-    for (name, config) in runs() {
-        let outcome = train(config, &initial, &train_set, &eval_set)?;
-        outcomes.push((name, outcome));
-    }
-    let frozen = &outcomes[0].1.frozen;
-    println!("no gradient in candle ({} tensors, frozen in every run): {}", frozen.len(), frozen.join(", "));
-    let reference = outcomes[0].1.eval_loss;
+    let args = <Args as clap::Parser>::parse();
+    let (steps, markov) = (args.steps as usize, Markov::new(7));
+    let eval_set = markov.batches(2, 8)?;
     println!(
-        "{:<8} {:>10} {:>11} {:>10} {:>10} {:>8} {:>8} {:>8}",
-        "run", "first loss", "train loss", "eval loss", "vs fp32", "skipped", "scale", "step ms"
+        "candle-transformers Gemma, {steps} AdamW steps, batch {BATCH}, seeded random weights, {} seed(s)",
+        args.seeds
     );
-    for (name, o) in &outcomes {
+    let runs = runs();
+    let mut outcomes: Vec<Vec<Outcome>> = vec![Vec::new(); runs.len()];
+    for seed in 0..args.seeds {
+        let (train_set, initial) = (markov.batches(1 + 10 * seed, steps)?, initial_weights(3 + seed)?);
+        for ((_, config), outcomes) in runs.iter().zip(&mut outcomes) {
+            outcomes.push(train(*config, &initial, &train_set, &eval_set)?);
+        }
+    }
+    let frozen = &outcomes[0][0].frozen;
+    println!("no gradient in candle ({} tensors, frozen in every run): {}", frozen.len(), frozen.join(", "));
+    println!("mean +- standard deviation across seeds; \"- fp32\" paired by seed");
+    println!(
+        "{:<8} {:>10} {:>17} {:>17} {:>18} {:>8} {:>8}",
+        "run", "first loss", "train loss", "eval loss", "eval - fp32", "skipped", "step ms"
+    );
+    let eval = |o: &[Outcome]| o.iter().map(|o| f64::from(o.eval_loss)).collect::<Vec<_>>();
+    let reference = eval(&outcomes[0]);
+    for ((name, _), o) in runs.iter().zip(&outcomes) {
+        let first = mean_std(&o.iter().map(|o| f64::from(o.losses[0])).collect::<Vec<_>>()).0;
+        let (train, train_sd) =
+            mean_std(&o.iter().map(|o| f64::from(tail_mean(&o.losses, 20))).collect::<Vec<_>>());
+        let (loss, loss_sd) = mean_std(&eval(o));
+        let paired: Vec<f64> = eval(o).iter().zip(&reference).map(|(a, b)| a - b).collect();
+        let (gap, gap_sd) = mean_std(&paired);
+        let skipped: u64 = o.iter().map(|o| o.skipped).sum();
+        let step_ms = mean_std(&o.iter().map(|o| o.step_ms).collect::<Vec<_>>()).0;
         println!(
-            "{name:<8} {:>10.4} {:>11.4} {:>10.4} {:>+10.4} {:>8} {:>8} {:>8.2}",
-            o.losses[0],
-            tail_mean(&o.losses, 20),
-            o.eval_loss,
-            o.eval_loss - reference,
-            o.skipped,
-            o.scale,
-            o.step_ms
+            "{name:<8} {first:>10.3} {train:>8.4} +- {train_sd:.4} {loss:>8.4} +- {loss_sd:.4} {gap:>+9.4} +- {gap_sd:.4} {skipped:>8} {step_ms:>8.2}"
         );
     }
-    println!("floor (entropy rate) {:.4} nats; {} parameter values", markov.floor, outcomes[0].1.params);
+    println!("floor (entropy rate) {:.4} nats; {} parameter values", markov.floor, outcomes[0][0].params);
     Ok(())
 }
