@@ -14,11 +14,11 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Instant;
 
 use amp::nn::Linear;
 use amp::optim::{AdamConfig, FusedAdam, FusedOptimizer, ParamGroups};
 use amp::{AmpConfig, AmpModuleExt, OptLevel, Param, Precision};
+use amp_kernels::timing::Interleaved;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
@@ -69,17 +69,6 @@ fn grads_for(vars: &[Var]) -> candle_core::Result<GradStore> {
     loss.backward()
 }
 
-fn median_ms(mut samples: Vec<f64>) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
-}
-
-fn time_ms(f: impl FnOnce()) -> f64 {
-    let start = Instant::now();
-    f();
-    start.elapsed().as_secs_f64() * 1e3
-}
-
 fn main() -> amp::Result<()> {
     let shapes = shapes();
     let n: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
@@ -116,14 +105,19 @@ fn main() -> amp::Result<()> {
         })
     };
 
-    let (mut t_stream, mut t_fused, mut t_mixed, mut t_candle) = (vec![], vec![], vec![], vec![]);
+    // Interleaved rounds (amp_kernels::timing, the harness of the kernels' bench too): stream, fused,
+    // mixed, and candle-nn's AdamW every third round (it is 50x slower).
+    let mut harness = Interleaved::new(4, 0);
     let mut allocations = (0, 0);
     for round in 0..9 {
-        t_stream.push(time_ms(|| triad(black_box(&mut a))));
-        t_fused.push(time_ms(|| fused.step(&fused_grads).expect("fused step")));
-        t_mixed.push(time_ms(|| mixed.step_scaled(&mixed_grads, 1.0).expect("mixed step")));
+        let mut r = harness.round();
+        r.time(|| triad(black_box(&mut a)));
+        r.time(|| fused.step(&fused_grads))?;
+        r.time(|| mixed.step_scaled(&mixed_grads, 1.0))?;
         if round % 3 == 0 {
-            t_candle.push(time_ms(|| candle.step(&candle_grads).expect("candle-nn step")));
+            r.time(|| candle.step(&candle_grads))?;
+        } else {
+            r.skip();
         }
         if round == 1 {
             ALLOCATIONS.store(0, Ordering::SeqCst);
@@ -137,8 +131,7 @@ fn main() -> amp::Result<()> {
             allocations.1 = ALLOCATIONS.load(Ordering::SeqCst);
         }
     }
-    let (stream, fused_ms, mixed_ms, candle_ms) =
-        (median_ms(t_stream), median_ms(t_fused), median_ms(t_mixed), median_ms(t_candle));
+    let [stream, fused_ms, mixed_ms, candle_ms] = [0, 1, 2, 3].map(|case| harness.median_s(case) * 1e3);
     let gbs = |bytes_per: f64, ms: f64| bytes_per * n as f64 / ms / 1e6;
     let bandwidth = gbs(12.0, stream);
     println!();

@@ -73,15 +73,24 @@ impl Encoder {
     }
 }
 
+/// The GPU check's measurements (`scripts/gpu-check.sh run` starts it).
+#[derive(Debug, clap::Parser)]
+#[command(name = "gpu_bench")]
+struct Args {
+    /// Seconds the whole bench may take; items that would not fit are skipped
+    #[arg(long = "budget-s", value_name = "SECONDS", default_value_t = 300.0, value_parser = parse_budget)]
+    budget_s: f64,
+}
+
+fn parse_budget(seconds: &str) -> Result<f64, String> {
+    match seconds.parse::<f64>().map_err(|e| e.to_string())? {
+        s if s.is_finite() && s >= 0.0 => Ok(s),
+        _ => Err("a number of seconds, 0 or more".into()),
+    }
+}
+
 fn budget() -> Duration {
-    let args: Vec<String> = std::env::args().collect();
-    let seconds = args
-        .iter()
-        .position(|a| a == "--budget-s")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(300.0);
-    Duration::from_secs_f64(seconds)
+    Duration::from_secs_f64(<Args as clap::Parser>::parse().budget_s)
 }
 
 fn row(item: &str, result: &str) {

@@ -1,4 +1,4 @@
-//! A fast version of the main job (`examples/train.rs`): a small decoder-only transformer learns a
+//! A fast version of the main job (`examples/train/main.rs`): a small decoder-only transformer learns a
 //! generated Markov source from the same initial weights, data order and hyper-parameters in fp32 (O0),
 //! bf16 (O2) and fp16 (O2 with dynamic loss scaling), and the mixed runs land where fp32 does.
 

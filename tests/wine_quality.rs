@@ -11,11 +11,11 @@ mod wine;
 
 #[test]
 fn mixed_precision_matches_fp32_accuracy_on_wine_quality() -> amp::Result<()> {
-    let data = wine::load()?;
-    let weights = wine::initial_weights()?;
+    let data = wine::load(7)?;
+    let weights = wine::initial_weights(11)?;
     let results: Vec<_> = wine::runs()
         .into_iter()
-        .map(|(name, config)| Ok((name, wine::train(&weights, &data, config, 150)?)))
+        .map(|run| Ok((run.name, wine::train(&weights, &data, run, 150)?)))
         .collect::<amp::Result<_>>()?;
     let fp32 = results[0].1;
     println!("baseline {:.3}; {results:?}", data.majority_baseline);

@@ -77,6 +77,27 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    // ---- models built through a VarBuilder ----
+    /// An `AmpVarMap` used in a way that would let the model's tensors and the trained values part.
+    #[error("AmpVarMap: {reason}")]
+    InvalidVarMapUse {
+        /// What was asked, and why it cannot be done.
+        reason: String,
+    },
+    /// `amp::initialize` asked to convert a parameter whose dtype a candle model already holds.
+    #[error(
+        "`{path}` is stored as {from:?} inside a model built through amp's VarBuilder and cannot become \
+         {to:?}: build the model again from an `AmpVarMap` of the wanted level"
+    )]
+    StorageFixed {
+        /// The parameter.
+        path: String,
+        /// Its storage.
+        from: crate::ParamStorage,
+        /// The storage asked for.
+        to: crate::ParamStorage,
+    },
+
     // ---- loss scaling ----
     /// A scaler setting out of range.
     #[error("invalid loss-scaler setting: {reason}")]
@@ -99,6 +120,19 @@ pub enum Error {
         what: String,
     },
 
+    /// Trainable parameters that received no gradient on the first step (see
+    /// [`MissingGradients`](crate::scaler::MissingGradients)); nothing was changed.
+    #[error(
+        "{} trainable parameter(s) received no gradient on the first step, so training would never change \
+         them; nothing was changed:{params}\n  if they are frozen on purpose, build the scaler with \
+         `.on_missing_gradients(MissingGradients::Warn)`",
+        params.0.len()
+    )]
+    NoGradient {
+        /// Each parameter with its likely cause.
+        params: crate::scaler::NoGradients,
+    },
+
     // ---- optimizers ----
     /// A parameter without an fp32 copy handed to an optimizer that keeps fp32 masters.
     #[error(
@@ -111,11 +145,28 @@ pub enum Error {
         /// Its storage precision.
         precision: crate::Precision,
     },
-    /// Optimizer settings or saved state that cannot be used.
+    /// Optimizer saved state that does not fit the optimizer it is loaded into.
     #[error("optimizer: {reason}")]
     OptimizerState {
         /// What is wrong.
         reason: String,
+    },
+    /// Optimizer settings out of range, or that cannot be used together.
+    #[error("invalid optimizer setting: {reason}")]
+    InvalidOptimizerConfig {
+        /// Which settings, and what would be valid.
+        reason: String,
+    },
+    /// The JSON part of a saved training state (a scaler's, an optimizer's) could not be read.
+    #[error(
+        "the saved `{key}` state in the checkpoint is unreadable (written by another version, or damaged)"
+    )]
+    SavedStateUnreadable {
+        /// The state's key in the checkpoint.
+        key: String,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
     },
 
     // ---- memory access ----

@@ -1,6 +1,6 @@
 //! `amp::initialize`: turns a model built with fp32 weights into its mixed-precision form.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::{AmpConfig, AmpModule, Cursor, Layer, LayerPrecision, LayerSite, ParamStorage, Precision};
 
 /// Applies an optimisation level to `model`: sets every layer's compute and output precision from its
@@ -30,7 +30,13 @@ pub fn initialize<M: AmpModule + ?Sized>(model: &mut M, config: AmpConfig) -> Re
             (true, true) => ParamStorage::Half(compute),
             _ => ParamStorage::Fp32,
         };
-        for (_, param) in layer.params_mut() {
+        let fixed = layer.storage_fixed();
+        for (name, param) in layer.params_mut() {
+            if fixed && param.storage() != storage {
+                let (path, from, to) = (site.param_path(name), param.storage(), storage);
+                first_error = Some(Error::StorageFixed { path, from, to });
+                return;
+            }
             if let Err(err) = param.set_storage(storage) {
                 first_error = Some(err);
                 return;

@@ -52,6 +52,18 @@ pub trait Layer {
     fn buffers(&self) -> Vec<(&'static str, &candle_core::Var)> {
         Vec::new()
     }
+
+    /// True when the parameters' storage cannot change after construction (tensors a candle model
+    /// received from [`crate::varmap::AmpVarMap`]): `amp::initialize` then refuses to convert them.
+    fn storage_fixed(&self) -> bool {
+        false
+    }
+
+    /// True when the parameter named `param` should not be weight-decayed: biases, and every parameter
+    /// of a layer pinned to fp32 (norms). Layers with other conventions override it.
+    fn no_weight_decay(&self, param: &str) -> bool {
+        param == "bias" || self.pinned_fp32()
+    }
 }
 
 /// Implements [`crate::AmpModule`] for a leaf [`Layer`] type.

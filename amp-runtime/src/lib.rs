@@ -21,6 +21,7 @@ mod policy;
 mod precision;
 pub mod scaler;
 mod storage;
+pub mod varmap;
 
 pub use cast_cache::CastCache;
 pub use error::{Error, Result};

@@ -1,146 +1,148 @@
-//! The loss curves of every run on one PNG plot, drawn by hand: a white canvas, axes with numbered ticks,
-//! one coloured polyline per run, the entropy floor as a dashed grey line, and a legend. Text uses a
-//! built-in 5x7 pixel font (digits and the few letters run names need), so no font files are required.
+//! `loss_curves.png` with plotters: two panels sharing the step axis. Top: every run's training loss
+//! (a 10-step moving average, on a log axis of the gap to the entropy floor, so the runs separate
+//! where they approach it). Bottom: each mixed run's loss minus fp32's at the same step (same moving
+//! average), so runs that overlap on the top panel are told apart. Text is drawn with DejaVu Sans,
+//! embedded in the binary (the `dejavu` crate through plotters' `ab_glyph` feature): no system fonts.
 
 use std::io::BufWriter;
 use std::path::Path;
 
-const WIDTH: usize = 900;
-const HEIGHT: usize = 540;
-const LEFT: usize = 80;
-const RIGHT: usize = 20;
-const TOP: usize = 20;
-const BOTTOM: usize = 50;
-const COLOURS: [[u8; 3]; 4] = [[0, 0, 0], [31, 119, 180], [214, 39, 40], [44, 160, 44]];
-const GREY: [u8; 3] = [150, 150, 150];
+use plotters::prelude::*;
+use plotters::style::FontStyle;
 
-/// 5x7 glyphs, one byte per row, the low five bits left to right.
-fn glyph(c: char) -> [u8; 7] {
-    match c {
-        '0' => [14, 17, 19, 21, 25, 17, 14],
-        '1' => [4, 12, 4, 4, 4, 4, 14],
-        '2' => [14, 17, 1, 2, 4, 8, 31],
-        '3' => [30, 1, 1, 14, 1, 1, 30],
-        '4' => [2, 6, 10, 18, 31, 2, 2],
-        '5' => [31, 16, 30, 1, 1, 17, 14],
-        '6' => [6, 8, 16, 30, 17, 17, 14],
-        '7' => [31, 1, 2, 4, 8, 8, 8],
-        '8' => [14, 17, 17, 14, 17, 17, 14],
-        '9' => [14, 17, 17, 15, 1, 2, 12],
-        '.' => [0, 0, 0, 0, 0, 12, 12],
-        'f' => [6, 9, 8, 28, 8, 8, 8],
-        'p' => [0, 0, 30, 17, 30, 16, 16],
-        'b' => [16, 16, 22, 25, 17, 17, 30],
-        'l' => [12, 4, 4, 4, 4, 4, 14],
-        'o' => [0, 0, 14, 17, 17, 17, 14],
-        'r' => [0, 0, 22, 25, 16, 16, 16],
-        'O' => [14, 17, 17, 17, 17, 17, 14],
-        _ => [0; 7],
+const WIDTH: u32 = 1000;
+const HEIGHT: u32 = 760;
+const SMOOTH: usize = 10;
+const WIDTHS: [u32; 4] = [6, 3, 1, 1];
+const COLOURS: [RGBColor; 4] =
+    [RGBColor(0, 0, 0), RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44)];
+
+type Error = Box<dyn std::error::Error>;
+
+/// Draws the curves (`(name, [(step, loss)])`, fp32 first if present) and the floor into `path`.
+pub fn loss_curves(path: &Path, runs: &[(&str, &[(usize, f32)])], floor: f64) -> Result<(), Error> {
+    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+        .map_err(|_| "the embedded DejaVu Sans font did not load")?;
+    let mut pixels = vec![255u8; (WIDTH * HEIGHT * 3) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (top, bottom) = root.split_vertically(HEIGHT * 3 / 5);
+        let smoothed: Vec<(&str, Vec<(f64, f64)>)> =
+            runs.iter().map(|(n, c)| (*n, moving_average(c))).collect();
+        gap_panel(&top, &smoothed, floor)?;
+        difference_panel(&bottom, &smoothed)?;
+        root.present()?;
     }
+    write_png(path, &pixels)
 }
 
-struct Canvas {
-    pixels: Vec<u8>,
+/// Mean of the last `SMOOTH` losses at each step.
+fn moving_average(curve: &[(usize, f32)]) -> Vec<(f64, f64)> {
+    (0..curve.len())
+        .map(|i| {
+            let window = &curve[i.saturating_sub(SMOOTH - 1)..=i];
+            let mean = window.iter().map(|(_, l)| f64::from(*l)).sum::<f64>() / window.len() as f64;
+            (curve[i].0 as f64, mean)
+        })
+        .collect()
 }
 
-impl Canvas {
-    fn new() -> Self {
-        Canvas { pixels: vec![255; WIDTH * HEIGHT * 3] }
+fn gap_panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    runs: &[(&str, Vec<(f64, f64)>)],
+    floor: f64,
+) -> Result<(), Error> {
+    let steps = runs.iter().map(|(_, c)| c.len()).max().unwrap_or(1) as f64;
+    let gaps: Vec<f64> =
+        runs.iter().flat_map(|(_, c)| c.iter().map(|(_, l)| l - floor)).filter(|g| *g > 0.0).collect();
+    let high = gaps.iter().copied().fold(1e-3, f64::max) * 1.5;
+    let low = gaps.iter().copied().fold(high, f64::min).max(1e-4) / 1.5;
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            format!("training loss above the entropy floor ({floor:.4} nats/token), {SMOOTH}-step mean"),
+            ("sans-serif", 22),
+        )
+        .margin(12)
+        .margin_right(30)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..steps, (low..high).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .x_label_formatter(&|step| format!("{step:.0}"))
+        .y_desc("loss - floor (nats/token, log)")
+        .axis_desc_style(("sans-serif", 18))
+        .label_style(("sans-serif", 15))
+        .draw()?;
+    for (index, (name, curve)) in runs.iter().enumerate() {
+        let colour = COLOURS[index % COLOURS.len()];
+        let points = curve.iter().filter(|(_, l)| *l > floor).map(|(s, l)| (*s, l - floor));
+        // Wider lines first: runs that coincide still show as a thick line with thinner ones on it.
+        let width = WIDTHS[index % WIDTHS.len()];
+        chart
+            .draw_series(LineSeries::new(points, colour.stroke_width(width)))?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(width)));
     }
-
-    fn set(&mut self, x: i64, y: i64, colour: [u8; 3]) {
-        if (0..WIDTH as i64).contains(&x) && (0..HEIGHT as i64).contains(&y) {
-            let i = (y as usize * WIDTH + x as usize) * 3;
-            self.pixels[i..i + 3].copy_from_slice(&colour);
-        }
-    }
-
-    /// A line two pixels thick; `dash` > 0 leaves gaps of that many pixels.
-    fn line(&mut self, (x0, y0): (f64, f64), (x1, y1): (f64, f64), colour: [u8; 3], dash: usize) {
-        let steps = (x1 - x0).abs().max((y1 - y0).abs()).ceil().max(1.0) as usize;
-        for i in 0..=steps {
-            if dash > 0 && (i / dash) % 2 == 1 {
-                continue;
-            }
-            let t = i as f64 / steps as f64;
-            let (x, y) = ((x0 + t * (x1 - x0)).round() as i64, (y0 + t * (y1 - y0)).round() as i64);
-            for (dx, dy) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
-                self.set(x + dx, y + dy, colour);
-            }
-        }
-    }
-
-    /// Text at scale 2, its top-left corner at (x, y).
-    fn text(&mut self, x: usize, y: usize, text: &str, colour: [u8; 3]) {
-        for (k, c) in text.chars().enumerate() {
-            for (row, bits) in glyph(c).iter().enumerate() {
-                for col in 0..5 {
-                    if bits & (16 >> col) != 0 {
-                        for (dx, dy) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
-                            let px = (x + k * 12 + col * 2 + dx) as i64;
-                            self.set(px, (y + row * 2 + dy) as i64, colour);
-                        }
-                    }
-                }
-            }
-        }
-    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 17))
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()?;
+    Ok(())
 }
 
-/// Writes `curves` (name, points (step, loss)) and the horizontal `floor` to a PNG at `path`.
-pub fn loss_curves(path: &Path, curves: &[(&str, &[(usize, f32)])], floor: f64) -> std::io::Result<()> {
-    let steps = curves.iter().flat_map(|(_, c)| c.last().map(|p| p.0)).max().unwrap_or(1).max(2);
-    let losses = curves.iter().flat_map(|(_, c)| c.iter().map(|p| f64::from(p.1)));
-    let (low, high) = losses.fold((floor, floor), |(lo, hi), l| (lo.min(l), hi.max(l)));
-    let (low, high) = (low - 0.05 * (high - low), high + 0.02 * (high - low));
-    let (plot_w, plot_h) = ((WIDTH - LEFT - RIGHT) as f64, (HEIGHT - TOP - BOTTOM) as f64);
-    let to_px = |step: usize, loss: f64| {
-        let x = LEFT as f64 + plot_w * (step - 1) as f64 / (steps - 1) as f64;
-        (x, TOP as f64 + plot_h * (high - loss) / (high - low))
+fn difference_panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    runs: &[(&str, Vec<(f64, f64)>)],
+) -> Result<(), Error> {
+    let Some((reference_name, reference)) = runs.iter().find(|(n, _)| n.starts_with("fp32")) else {
+        return Ok(());
     };
-    let mut canvas = Canvas::new();
-    let (x0, y0, x1, y1) = (LEFT as f64, TOP as f64, (WIDTH - RIGHT) as f64, (HEIGHT - BOTTOM) as f64);
-    canvas.line((x0, y1), (x1, y1), [0; 3], 0);
-    canvas.line((x0, y0), (x0, y1), [0; 3], 0);
-    for i in 0..=4 {
-        let loss = low + (high - low) * f64::from(i) / 4.0;
-        let (_, y) = to_px(1, loss);
-        canvas.line((x0 - 6.0, y), (x0, y), [0; 3], 0);
-        canvas.text(8, y as usize - 7, &format!("{loss:.2}"), [0; 3]);
-        let step = 1 + (steps - 1) * i as usize / 4;
-        let (x, _) = to_px(step, low);
-        canvas.line((x, y1), (x, y1 + 6.0), [0; 3], 0);
-        canvas.text((x as usize).saturating_sub(12), HEIGHT - BOTTOM + 14, &step.to_string(), [0; 3]);
+    let steps = reference.len() as f64;
+    let differences: Vec<(usize, Vec<(f64, f64)>)> = runs
+        .iter()
+        .enumerate()
+        .filter(|(_, (n, _))| n != reference_name)
+        .map(|(i, (_, c))| (i, c.iter().zip(reference).map(|((s, l), (_, r))| (*s, l - r)).collect()))
+        .collect();
+    let extent =
+        differences.iter().flat_map(|(_, d)| d.iter().map(|(_, v)| v.abs())).fold(1e-3, f64::max) * 1.1;
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            format!("each run minus {reference_name} at the same step ({SMOOTH}-step mean)"),
+            ("sans-serif", 22),
+        )
+        .margin(12)
+        .margin_right(30)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..steps, -extent..extent)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .x_label_formatter(&|step| format!("{step:.0}"))
+        .y_desc("loss difference (nats/token)")
+        .axis_desc_style(("sans-serif", 18))
+        .label_style(("sans-serif", 15))
+        .draw()?;
+    chart.draw_series(LineSeries::new([(0.0, 0.0), (steps, 0.0)], COLOURS[0].stroke_width(1)))?;
+    for (index, difference) in differences {
+        let colour = COLOURS[index % COLOURS.len()];
+        chart.draw_series(LineSeries::new(difference, colour.stroke_width(2)))?;
     }
-    canvas.line(to_px(1, floor), to_px(steps, floor), GREY, 8);
-    for (k, (name, curve)) in curves.iter().enumerate() {
-        let colour = COLOURS[k % COLOURS.len()];
-        for pair in curve.windows(2) {
-            canvas.line(
-                to_px(pair[0].0, f64::from(pair[0].1)),
-                to_px(pair[1].0, f64::from(pair[1].1)),
-                colour,
-                0,
-            );
-        }
-        let y = TOP + 10 + 24 * k;
-        canvas.line(
-            ((WIDTH - 260) as f64, (y + 6) as f64),
-            ((WIDTH - 220) as f64, (y + 6) as f64),
-            colour,
-            0,
-        );
-        canvas.text(WIDTH - 210, y, name, colour);
-    }
-    let y = TOP + 10 + 24 * curves.len();
-    canvas.line(((WIDTH - 260) as f64, (y + 6) as f64), ((WIDTH - 220) as f64, (y + 6) as f64), GREY, 8);
-    canvas.text(WIDTH - 210, y, "floor", GREY);
+    Ok(())
+}
 
+fn write_png(path: &Path, pixels: &[u8]) -> Result<(), Error> {
     let file = std::fs::File::create(path)?;
-    let mut encoder = png::Encoder::new(BufWriter::new(file), WIDTH as u32, HEIGHT as u32);
+    let mut encoder = png::Encoder::new(BufWriter::new(file), WIDTH, HEIGHT);
     encoder.set_color(png::ColorType::Rgb);
     encoder.set_depth(png::BitDepth::Eight);
-    let mut writer = encoder.write_header().map_err(std::io::Error::other)?;
-    writer.write_image_data(&canvas.pixels).map_err(std::io::Error::other)?;
-    writer.finish().map_err(std::io::Error::other)
+    encoder.write_header()?.write_image_data(pixels)?;
+    Ok(())
 }

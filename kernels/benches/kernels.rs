@@ -1,4 +1,5 @@
-//! Bandwidth benchmark of the fused kernels on the parameter set of `performance-baselines.md`:
+//! Bandwidth benchmark of the fused kernels on the project's baseline parameter set (the README's
+//! "Benchmarks"):
 //! 25,220,096 fp32 parameters in 98 tensors, 8 transformer layers with d = 512, ffn = 2048:
 //!
 //! per layer (12 tensors, 3,152,384 params): qkv weight 512x1536, qkv bias 1536, out weight 512x512,
@@ -6,8 +7,9 @@
 //! two LayerNorms (weight 512 + bias 512 each); then a final LayerNorm (512 + 512): 8 * 12 + 2 = 98
 //! tensors, 8 * 3,152,384 + 1,024 = 25,220,096 params (no embeddings).
 //!
-//! Everything runs on a 2-thread rayon pool. Kernels are timed interleaved (A/B/C/... per round) and
-//! each reports the median of its rounds. Bytes are real traffic: what is read plus what is written.
+//! Everything runs on a 2-thread rayon pool. Kernels are timed interleaved (A/B/C/... per round, with
+//! `amp_kernels::timing`, the harness `benches/optimizer_step.rs` uses too) and each reports the median of
+//! its rounds. Bytes are real traffic: what is read plus what is written.
 //!
 //! Two bandwidth references, timed the same way (rayon, 64 Ki-element chunks, same pool):
 //! - "triad": an in-place triad `a[i] += s * b[i]` (reads 2 streams, writes 1 back in place: 12 B, no
@@ -19,9 +21,8 @@
 //!
 //! Run: `cargo bench -p amp-kernels` (about 15 s once built).
 
-use std::time::Instant;
-
 use amp_kernels::optim::{adam_step_with, AdamParams, AdamTensor};
+use amp_kernels::timing::Interleaved;
 use amp_kernels::unscale::unscale_and_check_with;
 use amp_kernels::{GradSlice, GradSliceMut, HalfSliceMut, Isa};
 use half::f16;
@@ -76,17 +77,10 @@ struct Row {
     bytes_per_param: f64,
     /// Row index of the same-pattern reference stream.
     pattern: Option<usize>,
-    times: Vec<f64>,
 }
 
 fn row(name: &'static str, bytes_per_param: f64, pattern: Option<usize>) -> Row {
-    Row { name, bytes_per_param, pattern, times: Vec::new() }
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s[s.len() / 2]
+    Row { name, bytes_per_param, pattern }
 }
 
 fn main() {
@@ -95,13 +89,6 @@ fn main() {
     assert_eq!((lens.len(), n), (98, 25_220_096));
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     pool.install(|| run(&lens, n));
-}
-
-/// Times `f` once into `t`.
-fn time(t: &mut Vec<f64>, mut f: impl FnMut()) {
-    let start = Instant::now();
-    f();
-    t.push(start.elapsed().as_secs_f64());
 }
 
 fn run(lens: &[usize], n: usize) {
@@ -118,7 +105,7 @@ fn run(lens: &[usize], n: usize) {
     let mut v = filled(n, 7, |h| noise(h).abs() * 1e-6);
     let mut w16: Vec<f16> = p.par_iter().map(|&x| f16::from_f32(x)).collect();
 
-    let mut rows = vec![
+    let rows = vec![
         row("STREAM triad a=b+s*c (16 B real)", 16.0, None),
         row("triad in place a+=s*b (12 B)", 12.0, None),
         row("stream: f32 x*=s in place (8 B)", 8.0, None),
@@ -133,25 +120,27 @@ fn run(lens: &[usize], n: usize) {
         row("AdamW fp32, portable path (28 B)", 28.0, Some(4)),
     ];
     let hp = AdamParams::default();
+    // Round 0 warms pages and caches.
+    let mut harness = Interleaved::new(rows.len(), 1);
     for round in 0..ROUNDS + 1 {
         let s = if round % 2 == 0 { 0.5f32 } else { 2.0 };
-        let mut t = Vec::with_capacity(rows.len());
-        time(&mut t, || {
+        let mut t = harness.round();
+        t.time(|| {
             let abc = ta.par_chunks_mut(CHUNK).zip(tb.par_chunks(CHUNK).zip(tc.par_chunks(CHUNK)));
             abc.for_each(|(a, (b, c))| {
                 a.iter_mut().zip(b.iter().zip(c)).for_each(|(a, (b, c))| *a = b + s * c)
             })
         });
-        time(&mut t, || {
+        t.time(|| {
             let ab = ta.par_chunks_mut(CHUNK).zip(tb.par_chunks(CHUNK));
             ab.for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += s * b))
         });
-        time(&mut t, || g32.par_chunks_mut(CHUNK).for_each(|a| a.iter_mut().for_each(|a| *a *= s)));
-        time(&mut t, || {
+        t.time(|| g32.par_chunks_mut(CHUNK).for_each(|a| a.iter_mut().for_each(|a| *a *= s)));
+        t.time(|| {
             let bits = g16.reinterpret_cast_mut();
             bits.par_chunks_mut(CHUNK).for_each(|a| a.iter_mut().for_each(|a| *a ^= 1))
         });
-        time(&mut t, || {
+        t.time(|| {
             let pm = p.par_chunks_mut(CHUNK).zip(m.par_chunks_mut(CHUNK));
             let all = pm.zip(v.par_chunks_mut(CHUNK).zip(g32.par_chunks(CHUNK)));
             all.for_each(|((p, m), (v, g))| {
@@ -164,17 +153,17 @@ fn run(lens: &[usize], n: usize) {
         });
         let mut gs: Vec<GradSliceMut<'_>> =
             split(&mut g32, lens).into_iter().map(GradSliceMut::F32).collect();
-        time(&mut t, || assert_eq!(unscale_and_check_with(isa, &mut gs, s), None));
+        t.time(|| assert_eq!(unscale_and_check_with(isa, &mut gs, s), None));
         drop(gs);
         let mut gs: Vec<GradSliceMut<'_>> =
             split(&mut g16, lens).into_iter().map(GradSliceMut::F16).collect();
-        time(&mut t, || assert_eq!(unscale_and_check_with(isa, &mut gs, s), None));
+        t.time(|| assert_eq!(unscale_and_check_with(isa, &mut gs, s), None));
         drop(gs);
         // The same f32 bytes as one flat tensor, and cut into 1 Ki-element tensors.
         let mut gs = [GradSliceMut::F32(&mut g32)];
-        time(&mut t, || assert_eq!(unscale_and_check_with(isa, &mut gs, s), None));
+        t.time(|| assert_eq!(unscale_and_check_with(isa, &mut gs, s), None));
         let mut gs: Vec<GradSliceMut<'_>> = g32.chunks_mut(1024).map(GradSliceMut::F32).collect();
-        time(&mut t, || assert_eq!(unscale_and_check_with(isa, &mut gs, s), None));
+        t.time(|| assert_eq!(unscale_and_check_with(isa, &mut gs, s), None));
         drop(gs);
         for (grad16, path) in [(false, isa), (true, isa), (false, Isa::Portable)] {
             let (ps, ms, vs, ws) =
@@ -193,39 +182,32 @@ fn run(lens: &[usize], n: usize) {
                     }
                 })
                 .collect();
-            time(&mut t, || adam_step_with(path, &mut ts, &hp, 1.0 / 1024.0));
-        }
-        if round > 0 {
-            // Round 0 warms pages and caches.
-            for (row, x) in rows.iter_mut().zip(t) {
-                row.times.push(x);
-            }
+            t.time(|| adam_step_with(path, &mut ts, &hp, 1.0 / 1024.0));
         }
     }
-    report(&rows, n);
+    report(&rows, &harness, n);
 }
 
-fn report(rows: &[Row], n: usize) {
-    let gbs = |r: &Row| r.bytes_per_param * n as f64 / median(&r.times) / 1e9;
-    let triad = gbs(&rows[1]);
+fn report(rows: &[Row], harness: &Interleaved, n: usize) {
+    let gbs = |i: usize| rows[i].bytes_per_param * n as f64 / harness.median_s(i) / 1e9;
+    let triad = gbs(1);
     println!(
         "triad (in place, real bytes): {triad:.1} GB/s; STREAM triad counted 12 B: {:.1} GB/s",
-        gbs(&rows[0]) * 12.0 / 16.0
+        gbs(0) * 12.0 / 16.0
     );
     println!(
         "{:<38} {:>9} {:>8} {:>7} {:>9} {:>10}",
         "kernel", "median ms", "min ms", "GB/s", "vs triad", "vs pattern"
     );
-    for r in rows {
-        let min = r.times.iter().copied().fold(f64::INFINITY, f64::min);
-        let pattern = r.pattern.map_or(String::new(), |i| format!("{:.0}%", 100.0 * gbs(r) / gbs(&rows[i])));
+    for (i, r) in rows.iter().enumerate() {
+        let pattern = r.pattern.map_or(String::new(), |p| format!("{:.0}%", 100.0 * gbs(i) / gbs(p)));
         println!(
             "{:<38} {:>9.2} {:>8.2} {:>7.1} {:>8.0}% {:>10}",
             r.name,
-            median(&r.times) * 1e3,
-            min * 1e3,
-            gbs(r),
-            100.0 * gbs(r) / triad,
+            harness.median_s(i) * 1e3,
+            harness.min_s(i) * 1e3,
+            gbs(i),
+            100.0 * gbs(i) / triad,
             pattern
         );
     }

@@ -9,6 +9,7 @@
 //! - [`convert`]: f32 <-> f16 / bf16 with `half`'s rounding, bit for bit.
 //! - [`scale`]: the dynamic loss scale's state machine (growth, backoff, hysteresis, floor, ceiling).
 //! - [`reference`](mod@reference): slow scalar versions of every kernel, the oracle of the tests.
+//! - [`timing`]: the interleaved timing harness of the workspace's benchmarks.
 //! - [`cuda`]: the same kernels for NVIDIA GPUs, CUDA C++ compiled at run time with NVRTC (feature `cuda`),
 //!   plus the loss scale's state machine on the device.
 //!
@@ -41,6 +42,7 @@
 //! assert!((master[0] - 0.9).abs() < 1e-6);
 //! assert_eq!(working[0], f16::from_f32(master[0]));
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))] // docs.rs: items of the `cuda` feature say so
 #![warn(missing_docs)]
 
 mod backend;
@@ -58,6 +60,7 @@ pub mod scale;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 mod slices;
+pub mod timing;
 pub mod unscale;
 
 pub use isa::Isa;

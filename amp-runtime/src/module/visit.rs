@@ -84,10 +84,12 @@ pub struct LayerSite<'a> {
 }
 
 impl LayerSite<'_> {
-    /// The path of a parameter of this layer.
+    /// The path of a parameter of this layer (the layer's own path for the unnamed parameter `""`).
     pub fn param_path(&self, name: &str) -> String {
         if self.path.is_empty() {
             name.to_string()
+        } else if name.is_empty() {
+            self.path.to_string()
         } else {
             format!("{}.{name}", self.path)
         }

@@ -49,6 +49,11 @@ impl Default for AdamConfig {
 }
 
 impl AdamConfig {
+    /// PyTorch's `AdamW` defaults (the same as `default()`): decoupled weight decay 0.01.
+    pub fn adamw() -> Self {
+        Self::default()
+    }
+
     /// PyTorch's `Adam` defaults: L2 penalty instead of decoupled decay, no weight decay.
     pub fn adam() -> Self {
         AdamConfig { weight_decay: 0.0, decoupled_weight_decay: false, ..Self::default() }
@@ -64,14 +69,17 @@ impl AdamConfig {
     }
 }
 
-/// Fused multi-tensor Adam / AdamW over fp32 masters with fp32 state.
+/// Fused multi-tensor Adam / AdamW over fp32 masters with fp32 state. The config picks which:
+/// `FusedAdam::new(groups, AdamConfig::adamw())` (decoupled weight decay, the default) or
+/// `FusedAdam::new(groups, AdamConfig::adam())` (L2 penalty added to the gradient).
 #[derive(Debug)]
 pub struct FusedAdam {
     /// State: `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (used with AMSGrad only).
     core: Core<AdamConfig, [Buffers; 3]>,
 }
 
-/// AdamW is [`FusedAdam`] with its default config.
+/// The same optimizer as [`FusedAdam`], named for readability: the config alone picks AdamW
+/// ([`AdamConfig::adamw`], the default) or Adam ([`AdamConfig::adam`]), whichever name is used.
 pub type FusedAdamW = FusedAdam;
 
 impl FusedAdam {
@@ -81,6 +89,13 @@ impl FusedAdam {
         validate::groups(&groups.groups)?;
         let state = Self::fresh_state(&config, &groups.params);
         Ok(FusedAdam { core: Core::new(groups, config, state) })
+    }
+
+    /// Names the optimizer in checkpoints (default `"optimizer"`), so that two optimizers (of two models,
+    /// or of two parameter sets) can be saved in one checkpoint, as `GradScaler::named` does for scalers.
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.core.key = name.into();
+        self
     }
 
     /// The settings.

@@ -18,6 +18,8 @@ pub(crate) struct Core<C, S> {
     /// [`Core::applied_steps`]).
     pub step: u64,
     pub state: S,
+    /// The optimizer's name in checkpoints (`"optimizer"` unless renamed).
+    pub key: String,
     /// The state on a CUDA device once a step ran there: then the truth, `state` stale.
     #[cfg(feature = "cuda")]
     pub on_device: Option<crate::cuda::DeviceOptimizer>,
@@ -30,6 +32,7 @@ impl<C, S: AsRef<[Buffers]>> Core<C, S> {
             config,
             step: 0,
             state,
+            key: "optimizer".into(),
             #[cfg(feature = "cuda")]
             on_device: None,
         }

@@ -94,6 +94,13 @@ impl FusedLamb {
         &self.norms
     }
 
+    /// Names the optimizer in checkpoints (default `"optimizer"`), so that two optimizers (of two models,
+    /// or of two parameter sets) can be saved in one checkpoint, as `GradScaler::named` does for scalers.
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.core.key = name.into();
+        self
+    }
+
     /// One step on the CUDA device of the gradients (the state moves there on the first).
     #[cfg(feature = "cuda")]
     fn device_step(&mut self, grads: &GradStore, gate: crate::cuda::Gate<'_>) -> Result<()> {

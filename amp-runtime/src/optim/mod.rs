@@ -139,6 +139,7 @@ impl GradScaler {
         let grads = self.scale_loss(loss)?.backward()?;
         let inv_scale = 1.0 / self.scale();
         let params = optimizer.param_groups().params();
+        self.check_gradients_once(params.iter().map(OptimParam::checked), &grads)?;
         let present = driver::with_grads(params, None, &grads);
         let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
         // One read pass: the global norm when clipping (inf or NaN when any value is), else the check.

@@ -21,17 +21,30 @@ pub struct OptimParam {
     pub(crate) trainable: Var,
     /// Index of the parameter's group.
     pub(crate) group: usize,
+    /// What the parameter's layer says about weight decay ([`crate::Layer::no_weight_decay`]).
+    pub(crate) no_decay: bool,
 }
 
 impl OptimParam {
-    /// True for biases and the parameters of norm layers: the usual "no weight decay" set.
+    /// True for biases and the parameters of norm layers, the usual "no weight decay" set, as the
+    /// parameter's layer answers it ([`crate::Layer::no_weight_decay`]); bare variables answer by shape
+    /// (vectors are biases and norm scales).
     pub fn is_bias_or_norm(&self) -> bool {
-        self.path.ends_with("bias") || self.kind.contains("Norm")
+        self.no_decay
     }
 
     /// Number of elements.
     pub fn elem_count(&self) -> usize {
         self.master.elem_count()
+    }
+
+    /// The parameter as the first step's gradient check sees it.
+    pub(crate) fn checked(&self) -> crate::scaler::no_grad::Checked<'_> {
+        crate::scaler::no_grad::Checked {
+            path: &self.path,
+            kind: self.kind,
+            trainable: self.trainable.as_tensor(),
+        }
     }
 }
 
@@ -69,6 +82,7 @@ impl ParamGroups {
                     working: param.working().cloned(),
                     trainable: param.trainable().clone(),
                     group: 0,
+                    no_decay: layer.no_weight_decay(name),
                 });
             }
         });
@@ -104,6 +118,7 @@ impl ParamGroups {
                     kind: "Var",
                     master: var.clone(),
                     working: None,
+                    no_decay: var.rank() <= 1,
                     trainable: var,
                     group: 0,
                 })

@@ -42,7 +42,7 @@ impl SgdConfig {
         validate::fraction("dampening", self.dampening)?;
         validate::non_negative("weight_decay", self.weight_decay)?;
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
-            return Err(Error::OptimizerState {
+            return Err(Error::InvalidOptimizerConfig {
                 reason: "`nesterov` needs momentum > 0 and dampening 0".into(),
             });
         }
@@ -64,6 +64,13 @@ impl FusedSgd {
         validate::groups(&groups.groups)?;
         let state = Self::fresh_state(&config, &groups.params);
         Ok(FusedSgd { core: Core::new(groups, config, state) })
+    }
+
+    /// Names the optimizer in checkpoints (default `"optimizer"`), so that two optimizers (of two models,
+    /// or of two parameter sets) can be saved in one checkpoint, as `GradScaler::named` does for scalers.
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.core.key = name.into();
+        self
     }
 
     /// One step on the CUDA device of the gradients (the state moves there on the first).

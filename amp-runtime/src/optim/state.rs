@@ -58,12 +58,14 @@ pub(crate) fn save<S: serde::Serialize>(
 
 /// Parses the settings and checks that every buffer in use has the right length, changing nothing.
 pub(crate) fn check<S: serde::de::DeserializeOwned>(
+    key: &str,
     state: &SavedState,
     params: &[OptimParam],
     buffers: &[Buffers],
 ) -> Result<S> {
     let bad = |reason: String| Error::OptimizerState { reason };
-    let settings = serde_json::from_str(&state.json).map_err(|e| bad(format!("unreadable settings: {e}")))?;
+    let settings = serde_json::from_str(&state.json)
+        .map_err(|source| Error::SavedStateUnreadable { key: key.to_string(), source })?;
     let by_name: HashMap<&str, &Tensor> = state.tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for buffer in buffers.iter().filter(|b| b.used) {
         for (param, values) in params.iter().zip(&buffer.values) {
@@ -132,8 +134,8 @@ fn checked_settings<T: Checkpointed>(
     core: &Core<T::Config, T::State>,
 ) -> Result<(Settings<T::Config>, T::State)> {
     let bad = |reason: String| Error::OptimizerState { reason };
-    let settings: Settings<T::Config> =
-        serde_json::from_str(&saved.json).map_err(|e| bad(format!("unreadable settings: {e}")))?;
+    let settings: Settings<T::Config> = serde_json::from_str(&saved.json)
+        .map_err(|source| Error::SavedStateUnreadable { key: core.key.clone(), source })?;
     T::validate_config(&settings.config)?;
     super::validate::groups(&settings.groups)?;
     if settings.step == u64::MAX {
@@ -147,13 +149,13 @@ fn checked_settings<T: Checkpointed>(
         )));
     }
     let state = T::fresh_state(&settings.config, &core.groups.params);
-    check::<Settings<T::Config>>(saved, &core.groups.params, state.as_ref())?;
+    check::<Settings<T::Config>>(&core.key, saved, &core.groups.params, state.as_ref())?;
     Ok((settings, state))
 }
 
 impl<T: Checkpointed> TrainingState for T {
     fn state_key(&self) -> String {
-        "optimizer".into()
+        self.core().key.clone()
     }
 
     fn save_state(&self) -> Result<SavedState> {

@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 
 fn refuse(field: &str, range: &str, value: f64) -> Error {
-    Error::OptimizerState { reason: format!("`{field}` must be {range}, got {value}") }
+    Error::InvalidOptimizerConfig { reason: format!("`{field}` must be {range}, got {value}") }
 }
 
 /// A learning rate, weight decay or momentum: finite and at least 0.

@@ -11,10 +11,9 @@ struct Saved {
     enabled: bool,
 }
 
-fn parse(state: &SavedState) -> Result<Saved> {
-    let saved: Saved = serde_json::from_str(&state.json).map_err(|e| Error::InvalidScalerConfig {
-        reason: format!("saved scaler state is unreadable: {e}"),
-    })?;
+fn parse(key: &str, state: &SavedState) -> Result<Saved> {
+    let saved: Saved = serde_json::from_str(&state.json)
+        .map_err(|source| Error::SavedStateUnreadable { key: key.to_string(), source })?;
     saved.config.validate()?;
     check_state(&saved.state, &saved.config)
         .map_err(|what| Error::InvalidScalerConfig { reason: format!("saved scaler state: {what}") })?;
@@ -63,11 +62,11 @@ impl TrainingState for GradScaler {
     }
 
     fn check_state(&self, state: &SavedState) -> Result<()> {
-        parse(state).map(|_| ())
+        parse(&self.key, state).map(|_| ())
     }
 
     fn restore_state(&mut self, state: SavedState) -> Result<()> {
-        let saved = parse(&state)?;
+        let saved = parse(&self.key, &state)?;
         self.config = saved.config;
         self.state = saved.state;
         self.enabled = saved.enabled;

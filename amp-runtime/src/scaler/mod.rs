@@ -19,11 +19,13 @@
 mod checkpoint;
 mod config;
 mod deferred;
+pub(crate) mod no_grad;
 mod report;
 mod settled;
 mod state;
 
 pub use config::{AtScaleFloor, ScalerConfig};
+pub use no_grad::{LikelyCause, MissingGradients, NoGradient, NoGradients};
 pub use report::{SkipReason, StepReport};
 pub use settled::Settled;
 pub use state::{ScaleChange, ScaleState};
@@ -46,6 +48,10 @@ pub struct GradScaler {
     key: String,
     /// Deferred steps read but not yet returned by `settle`.
     window: Settled,
+    /// What the first step does about parameters without a gradient.
+    missing_gradients: MissingGradients,
+    /// True once a step of this scaler has looked for parameters without a gradient.
+    gradients_checked: bool,
     /// The state on a CUDA device since the last deferred step (the truth while steps are queued).
     #[cfg(feature = "cuda")]
     device: Option<crate::cuda::QueuedScaler>,
@@ -70,6 +76,8 @@ impl GradScaler {
             log: report::SkipLog::new(1000),
             key: "scaler".into(),
             window: Settled::none(1.0),
+            missing_gradients: MissingGradients::Error,
+            gradients_checked: false,
             #[cfg(feature = "cuda")]
             device: None,
         })
@@ -87,6 +95,8 @@ impl GradScaler {
             log: report::SkipLog::new(1000),
             key: "scaler".into(),
             window: Settled::none(1.0),
+            missing_gradients: MissingGradients::Error,
+            gradients_checked: false,
             #[cfg(feature = "cuda")]
             device: None,
         }
@@ -119,6 +129,29 @@ impl GradScaler {
     pub fn named(mut self, name: impl Into<String>) -> Self {
         self.key = name.into();
         self
+    }
+
+    /// What the first step does when a trainable parameter received no gradient: fail naming every
+    /// such parameter with its likely cause ([`MissingGradients::Error`], the default), or log that and
+    /// train the rest ([`MissingGradients::Warn`], for parameters frozen on purpose).
+    pub fn on_missing_gradients(mut self, policy: MissingGradients) -> Self {
+        self.missing_gradients = policy;
+        self
+    }
+
+    /// On this scaler's first step only: the parameters among `params` without a gradient in `grads`,
+    /// handled as [`on_missing_gradients`](Self::on_missing_gradients) says.
+    pub(crate) fn check_gradients_once<'a>(
+        &mut self,
+        params: impl IntoIterator<Item = no_grad::Checked<'a>>,
+        grads: &GradStore,
+    ) -> Result<()> {
+        if self.gradients_checked {
+            return Ok(());
+        }
+        no_grad::enforce(no_grad::find(params, grads), self.missing_gradients)?;
+        self.gradients_checked = true;
+        Ok(())
     }
 
     /// True when the scaler multiplies and unscales.
@@ -222,6 +255,8 @@ impl GradScaler {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
         let mut grads = self.scale_loss(loss)?.backward()?;
+        let params = no_grad::model_params(model);
+        self.check_gradients_once(params.iter().map(no_grad::ModelParam::checked), &grads)?;
         let unscaled = self.unscale(model, &mut grads)?;
         if let Some(param) = unscaled.first_non_finite {
             return self.update(Some(SkipReason::GradientOverflow { param }));

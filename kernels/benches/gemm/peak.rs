@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Instant;
 
-use crate::timing::median;
+use amp_kernels::timing::median;
 
 /// Peak samples in GFLOP/s, taken between shapes so that they see the same neighbours as the products.
 #[derive(Default)]

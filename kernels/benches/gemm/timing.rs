@@ -1,37 +1,35 @@
-//! Interleaved timing, medians, and the printed tables.
+//! The GEMM bench's rounds on the shared harness (`amp_kernels::timing`), and its tables.
 
 use std::time::Instant;
+
+pub use amp_kernels::timing::median;
+use amp_kernels::timing::Interleaved;
 
 use crate::peak::Peaks;
 
 /// Wall time each contender should get per shape, summed over its rounds.
 const BUDGET_S: f64 = 0.6;
 
-pub fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s[s.len() / 2]
-}
-
-/// Times `call(0..n)` round-robin: one warm-up each, then 3 to 15 rounds (as many as fit the budget),
-/// a peak sample before each round. Returns every contender's times in seconds.
+/// Times `call(0..n)` round-robin on the shared harness: a warm-up round (dropped) that also sizes the
+/// run, then 3 to 15 rounds (as many as fit the budget), a peak sample before each. Returns every
+/// contender's kept times in seconds.
 pub fn interleaved(n: usize, mut call: impl FnMut(usize), peaks: &mut Peaks) -> Vec<Vec<f64>> {
-    let mut once = |i: usize| {
-        let start = Instant::now();
-        call(i);
-        start.elapsed().as_secs_f64()
-    };
-    let warm: Vec<f64> = (0..n).map(&mut once).collect();
-    let slowest = warm.iter().copied().fold(0.0, f64::max);
-    let rounds = ((BUDGET_S / slowest) as usize).clamp(3, 15);
-    let mut times = vec![Vec::with_capacity(rounds); n];
+    let mut harness = Interleaved::new(n, 1);
+    let start = Instant::now();
+    let mut warm = harness.round();
+    for i in 0..n {
+        warm.time(|| call(i));
+    }
+    let slowest_round = start.elapsed().as_secs_f64();
+    let rounds = ((BUDGET_S * n as f64 / slowest_round) as usize).clamp(3, 15);
     for _ in 0..rounds {
         peaks.measure();
-        for (i, t) in times.iter_mut().enumerate() {
-            t.push(once(i));
+        let mut round = harness.round();
+        for i in 0..n {
+            round.time(|| call(i));
         }
     }
-    times
+    (0..n).map(|i| harness.seconds(i).to_vec()).collect()
 }
 
 /// One contender's median on one shape.

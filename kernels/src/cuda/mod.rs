@@ -27,10 +27,12 @@ pub use table::{BlockEntry, LaunchTable, TableError, TensorKind, CHUNK_ELEMENTS}
 #[cfg(feature = "cuda")]
 mod compile;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use compile::{compile, nvrtc_available, Arch, CompileError};
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use device::{
     device_available, CudaError, CudaKernels, DeviceScaler, DeviceTable, GradFactor, LambBuffers,
     NormBuffers, OptimizerStep,

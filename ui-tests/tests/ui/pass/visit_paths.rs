@@ -1,7 +1,8 @@
 // visit walks every layer in declaration order with its dotted path (tuple fields and container
 // elements by index) and the innermost requested precision; skipped fields are not visited.
 use amp::nn::{layer_norm, linear, LayerNorm, Linear};
-use amp::{AmpModule, Cursor, Layer, LayerSite, PrecisionSpec};
+use amp::module::Cursor;
+use amp::{AmpModule, Layer, LayerSite, PrecisionSpec};
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
