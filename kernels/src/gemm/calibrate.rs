@@ -1,4 +1,5 @@
-//! Whether `vdpbf16ps` pays on this CPU, measured once per process.
+//! Whether `vdpbf16ps` pays on this CPU, measured once per process, and the instruction loops that
+//! measure it (the GEMM bench times the same loops on both threads for its "% of peak" column).
 //!
 //! One `vdpbf16ps` does two multiply-adds per lane, so it should double the zmm FMA's rate; on some CPUs
 //! that have it the instruction issues at half the FMA's rate or less (measured on an Intel Xeon with
@@ -24,72 +25,97 @@ pub fn dot_product_speedup() -> Option<f64> {
     *RATIO.get_or_init(measure)
 }
 
-/// Iterations per trial: 24 instructions each, ~0.1 ms.
+/// Iterations per calibration trial: 24 instructions each, ~0.1 ms.
 const ITERS: usize = 4_000;
 const TRIALS: usize = 7;
 
 fn measure() -> Option<f64> {
-    if !Isa::Avx512Bf16.is_supported() {
-        return None;
-    }
     let (mut dot, mut fma) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..TRIALS {
-        dot = dot.min(time(|| loops::dpbf16(ITERS)));
-        fma = fma.min(time(|| loops::fma(ITERS)));
+        dot = dot.min(PeakLoop::Dpbf16.seconds(ITERS)?);
+        fma = fma.min(PeakLoop::FmaZmm.seconds(ITERS)?);
     }
-    // Per instruction: vdpbf16ps does 64 flops on a zmm, vfmadd 32.
-    Some((64.0 / dot) / (32.0 / fma))
+    let flops = |l: PeakLoop, s: f64| l.flops_per_iter() / s;
+    Some(flops(PeakLoop::Dpbf16, dot) / flops(PeakLoop::FmaZmm, fma))
 }
 
-fn time(f: impl Fn() -> f32) -> f64 {
-    let start = Instant::now();
-    std::hint::black_box(f());
-    start.elapsed().as_secs_f64()
+/// A loop of one instruction on 24 independent accumulators: the instruction's peak rate on one thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeakLoop {
+    /// `vdpbf16ps zmm` (64 flops).
+    Dpbf16,
+    /// `vfmadd231ps zmm` (32 flops).
+    FmaZmm,
+    /// `vfmadd231ps ymm` (16 flops).
+    FmaYmm,
+}
+
+/// Accumulators per loop: more than latency x throughput of any of the instructions.
+const ACC: usize = 24;
+
+impl PeakLoop {
+    /// The level the instruction needs.
+    #[must_use]
+    pub fn isa(self) -> Isa {
+        match self {
+            PeakLoop::Dpbf16 => Isa::Avx512Bf16,
+            PeakLoop::FmaZmm => Isa::Avx512,
+            PeakLoop::FmaYmm => Isa::Avx2,
+        }
+    }
+
+    /// Floating-point operations per iteration (24 instructions).
+    #[must_use]
+    pub fn flops_per_iter(self) -> f64 {
+        let per_instruction = match self {
+            PeakLoop::Dpbf16 => 16 * 2 * 2,
+            PeakLoop::FmaZmm => 16 * 2,
+            PeakLoop::FmaYmm => 8 * 2,
+        };
+        (ACC * per_instruction) as f64
+    }
+
+    /// Seconds for `iters` iterations on this thread, or `None` where the CPU lacks the instruction.
+    #[must_use]
+    pub fn seconds(self, iters: usize) -> Option<f64> {
+        if !self.isa().is_supported() {
+            return None;
+        }
+        let start = Instant::now();
+        std::hint::black_box(loops::run(self, iters));
+        Some(start.elapsed().as_secs_f64())
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod loops {
     use std::arch::x86_64::{
-        __m512, __m512bh, __m512i, _mm512_add_ps, _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps,
-        _mm512_set1_epi32, _mm512_set1_ps,
+        __m256, __m512, __m512bh, __m512i, _mm256_fmadd_ps, _mm256_set1_ps, _mm512_dpbf16_ps,
+        _mm512_fmadd_ps, _mm512_set1_epi32, _mm512_set1_ps,
     };
 
-    const ACC: usize = 24;
+    use super::{PeakLoop, ACC};
 
-    fn sum(acc: [__m512; ACC]) -> f32 {
-        // SAFETY: reached only from the loops below, which run only where AVX-512 is present.
-        unsafe { reduce(acc) }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    fn reduce(acc: [__m512; ACC]) -> f32 {
-        let mut s = _mm512_set1_ps(0.0);
-        for a in acc {
-            s = _mm512_add_ps(s, a);
+    /// Runs the loop; the accumulators come back so that nothing is optimised away.
+    pub(super) fn run(kind: PeakLoop, iters: usize) -> ([__m512; ACC], [__m256; ACC]) {
+        // SAFETY: `PeakLoop::seconds` calls this only where `kind.isa()` is supported.
+        unsafe {
+            match kind {
+                PeakLoop::Dpbf16 => (dpbf16(iters), [_mm256_set1_ps(0.0); ACC]),
+                PeakLoop::FmaZmm => (fma_zmm(iters), [_mm256_set1_ps(0.0); ACC]),
+                PeakLoop::FmaYmm => ([_mm512_set1_ps(0.0); ACC], fma_ymm(iters)),
+            }
         }
-        _mm512_reduce_add_ps(s)
-    }
-
-    pub(super) fn dpbf16(iters: usize) -> f32 {
-        // SAFETY: `measure` calls this only where AVX512-BF16 is present.
-        sum(unsafe { dpbf16_loop(iters) })
-    }
-
-    pub(super) fn fma(iters: usize) -> f32 {
-        // SAFETY: AVX512-BF16 implies AVX-512F.
-        sum(unsafe { fma_loop(iters) })
     }
 
     #[target_feature(enable = "avx512f,avx512bf16")]
-    fn dpbf16_loop(iters: usize) -> [__m512; ACC] {
+    fn dpbf16(iters: usize) -> [__m512; ACC] {
         // SAFETY: retypes registers of 16 u32 as 32 bf16.
         let bh = |x: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(x) };
         let (x, y) =
             (bh(_mm512_set1_epi32(0x3F80_3F80)), std::hint::black_box(bh(_mm512_set1_epi32(0x3A00_3A00))));
-        let mut acc = [_mm512_set1_ps(0.0); ACC];
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = _mm512_set1_ps(i as f32); // distinct chains: none can be merged
-        }
+        // Distinct starting values: no two chains can be merged.
+        let mut acc: [__m512; ACC] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
         for _ in 0..iters {
             for a in &mut acc {
                 *a = _mm512_dpbf16_ps(*a, x, y);
@@ -99,15 +125,24 @@ mod loops {
     }
 
     #[target_feature(enable = "avx512f")]
-    fn fma_loop(iters: usize) -> [__m512; ACC] {
+    fn fma_zmm(iters: usize) -> [__m512; ACC] {
         let (x, y) = (_mm512_set1_ps(1.0), std::hint::black_box(_mm512_set1_ps(1e-7)));
-        let mut acc = [_mm512_set1_ps(0.0); ACC];
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = _mm512_set1_ps(i as f32);
-        }
+        let mut acc: [__m512; ACC] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
         for _ in 0..iters {
             for a in &mut acc {
                 *a = _mm512_fmadd_ps(x, y, *a);
+            }
+        }
+        acc
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn fma_ymm(iters: usize) -> [__m256; ACC] {
+        let (x, y) = (_mm256_set1_ps(1.0), std::hint::black_box(_mm256_set1_ps(1e-7)));
+        let mut acc: [__m256; ACC] = std::array::from_fn(|i| _mm256_set1_ps(i as f32));
+        for _ in 0..iters {
+            for a in &mut acc {
+                *a = _mm256_fmadd_ps(x, y, *a);
             }
         }
         acc
@@ -116,11 +151,9 @@ mod loops {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod loops {
-    pub(super) fn dpbf16(_iters: usize) -> f32 {
-        unreachable!("AVX512-BF16 exists only on x86-64")
-    }
+    use super::PeakLoop;
 
-    pub(super) fn fma(_iters: usize) -> f32 {
-        unreachable!("AVX512-BF16 exists only on x86-64")
+    pub(super) fn run(_kind: PeakLoop, _iters: usize) {
+        unreachable!("the peak loops exist only on x86-64, and PeakLoop::seconds checks for them")
     }
 }

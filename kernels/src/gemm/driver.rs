@@ -118,24 +118,24 @@ impl Job<'_> {
         if batch == 0 || m == 0 || n == 0 {
             return;
         }
-        let steps = k.div_ceil(M::K_PER_STEP);
+        let steps = k.div_ceil(M::B.k_per_step);
         let (mut a_words, mut b_words) = PACKED.take();
-        let a_len = batch * m.div_ceil(M::MR) * steps * M::MR;
-        let b_len = batch * n.div_ceil(M::NR) * steps * M::NR;
+        let a_len = batch * m.div_ceil(M::B.mr) * steps * M::B.mr;
+        let b_len = batch * n.div_ceil(M::B.nr) * steps * M::B.nr;
         a_words.resize(a_len, 0);
         b_words.resize(b_len, 0);
         let parallel = self.dims.flops() >= PARALLEL_FLOPS;
         {
             let a_packed = M::Packed::from_words(&mut a_words[..a_len]);
             let b_packed = M::Packed::from_words(&mut b_words[..b_len]);
-            self.pack(&self.a, (m, self.a.row_stride, self.a.col_stride), M::MR, a_packed, parallel);
-            self.pack(&self.b, (n, self.b.col_stride, self.b.row_stride), M::NR, b_packed, parallel);
+            self.pack(&self.a, (m, self.a.row_stride, self.a.col_stride), M::B.mr, a_packed, parallel);
+            self.pack(&self.b, (n, self.b.col_stride, self.b.row_stride), M::B.nr, b_packed, parallel);
             let (a_packed, b_packed) = (&*a_packed, &*b_packed);
-            let (m_blocks, n_blocks) = (m.div_ceil(M::MC), n.div_ceil(M::NC));
+            let (m_blocks, n_blocks) = (m.div_ceil(M::B.mc), n.div_ceil(M::B.nc));
             let block = |i: usize| {
                 let (batch, rest) = (i / (m_blocks * n_blocks), i % (m_blocks * n_blocks));
-                let (row, col) = (rest / n_blocks * M::MC, rest % n_blocks * M::NC);
-                let block = Block { batch, row, col, rows: M::MC.min(m - row), cols: M::NC.min(n - col) };
+                let (row, col) = (rest / n_blocks * M::B.mc, rest % n_blocks * M::B.nc);
+                let block = Block { batch, row, col, rows: M::B.mc.min(m - row), cols: M::B.nc.min(n - col) };
                 self.block(micro, block, steps, a_packed, b_packed);
             };
             let blocks = batch * m_blocks * n_blocks;
@@ -282,23 +282,25 @@ impl Job<'_> {
             }
             return;
         }
-        let (a_panels, b_panels) = (self.dims.m.div_ceil(M::MR), self.dims.n.div_ceil(M::NR));
-        let a_panel = |p: usize| &a_packed[(blk.batch * a_panels + blk.row / M::MR + p) * steps * M::MR..];
-        let b_panel = |p: usize| &b_packed[(blk.batch * b_panels + blk.col / M::NR + p) * steps * M::NR..];
-        for k0 in (0..steps).step_by(M::KC) {
-            let kc = M::KC.min(steps - k0);
+        let (a_panels, b_panels) = (self.dims.m.div_ceil(M::B.mr), self.dims.n.div_ceil(M::B.nr));
+        let a_panel =
+            |p: usize| &a_packed[(blk.batch * a_panels + blk.row / M::B.mr + p) * steps * M::B.mr..];
+        let b_panel =
+            |p: usize| &b_packed[(blk.batch * b_panels + blk.col / M::B.nr + p) * steps * M::B.nr..];
+        for k0 in (0..steps).step_by(M::B.kc) {
+            let kc = M::B.kc.min(steps - k0);
             let load = starts_from_c || k0 > 0;
-            for jp in 0..blk.cols.div_ceil(M::NR) {
-                let b = b_panel(jp)[k0 * M::NR..].as_ptr();
-                let cols = M::NR.min(blk.cols - jp * M::NR);
-                for ip in 0..blk.rows.div_ceil(M::MR) {
-                    let a = a_panel(ip)[k0 * M::MR..].as_ptr();
-                    let rows = M::MR.min(blk.rows - ip * M::MR);
+            for jp in 0..blk.cols.div_ceil(M::B.nr) {
+                let b = b_panel(jp)[k0 * M::B.nr..].as_ptr();
+                let cols = M::B.nr.min(blk.cols - jp * M::B.nr);
+                for ip in 0..blk.rows.div_ceil(M::B.mr) {
+                    let a = a_panel(ip)[k0 * M::B.mr..].as_ptr();
+                    let rows = M::B.mr.min(blk.rows - ip * M::B.mr);
                     // SAFETY: the tile's origin is inside the block (caller), panels hold `kc` steps from
                     // `k0` (packed for all `steps`), and the micro-kernel exists only where it runs.
                     unsafe {
-                        let tile = c.add(ip * M::MR * ldc + jp * M::NR);
-                        if rows == M::MR && cols == M::NR {
+                        let tile = c.add(ip * M::B.mr * ldc + jp * M::B.nr);
+                        if rows == M::B.mr && cols == M::B.nr {
                             micro.tile(kc, a, b, tile, ldc, load);
                         } else {
                             edge_tile(micro, kc, a, b, tile, ldc, (rows, cols), load);
@@ -330,12 +332,12 @@ unsafe fn edge_tile<M: Micro>(
     unsafe {
         if load {
             for r in 0..rows {
-                std::ptr::copy_nonoverlapping(c.add(r * ldc), tmp.as_mut_ptr().add(r * M::NR), cols);
+                std::ptr::copy_nonoverlapping(c.add(r * ldc), tmp.as_mut_ptr().add(r * M::B.nr), cols);
             }
         }
-        micro.tile(kc, a, b, tmp.as_mut_ptr(), M::NR, load);
+        micro.tile(kc, a, b, tmp.as_mut_ptr(), M::B.nr, load);
         for r in 0..rows {
-            std::ptr::copy_nonoverlapping(tmp.as_ptr().add(r * M::NR), c.add(r * ldc), cols);
+            std::ptr::copy_nonoverlapping(tmp.as_ptr().add(r * M::B.nr), c.add(r * ldc), cols);
         }
     }
 }

@@ -45,7 +45,7 @@ mod micro;
 mod pack;
 mod path;
 
-pub use calibrate::{dot_product_speedup, DOT_PAYS};
+pub use calibrate::{dot_product_speedup, PeakLoop, DOT_PAYS};
 pub use dpbf16::{dpbf16_lane, dpbf16_pair};
 pub use layout::{Dims, GemmError, MatMut, MatRef};
 pub use path::{Compute, GemmPath};

@@ -1,6 +1,6 @@
 //! Micro-kernels in plain Rust: f32 FMA chains, and the software model of the `vdpbf16ps` kernel.
 
-use super::Micro;
+use super::{Blocking, Micro, F32_6X16, PAIRS_6X64};
 use crate::gemm::dpbf16::dpbf16_pair;
 
 /// f32 fused multiply-adds, 6 x 16 tiles (LLVM vectorises the 16 columns where it can).
@@ -52,12 +52,7 @@ unsafe fn tile_with<P: Copy, const MR: usize, const NR: usize>(
 
 impl Micro for FmaPortable {
     type Packed = f32;
-    const MR: usize = 6;
-    const NR: usize = 16;
-    const K_PER_STEP: usize = 1;
-    const KC: usize = 256;
-    const MC: usize = 96;
-    const NC: usize = 256;
+    const B: Blocking = F32_6X16;
 
     unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
         // SAFETY: forwarded from the caller.
@@ -67,12 +62,7 @@ impl Micro for FmaPortable {
 
 impl Micro for DotModel {
     type Packed = u32;
-    const MR: usize = 6;
-    const NR: usize = 64;
-    const K_PER_STEP: usize = 2;
-    const KC: usize = 128;
-    const MC: usize = 96;
-    const NC: usize = 256;
+    const B: Blocking = PAIRS_6X64;
 
     unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
         // SAFETY: forwarded from the caller.

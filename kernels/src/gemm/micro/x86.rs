@@ -10,7 +10,7 @@ use std::arch::x86_64::{
     _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
 };
 
-use super::Micro;
+use super::{Blocking, Micro, F32_6X16, F32_6X64, PAIRS_6X64};
 use crate::Isa;
 
 /// f32 FMA on ymm registers, 6 x 16 tiles. Constructible only where AVX2 + FMA run.
@@ -45,12 +45,7 @@ impl DotAvx512Bf16 {
 
 impl Micro for FmaAvx2 {
     type Packed = f32;
-    const MR: usize = 6;
-    const NR: usize = 16;
-    const K_PER_STEP: usize = 1;
-    const KC: usize = 256;
-    const MC: usize = 96;
-    const NC: usize = 256;
+    const B: Blocking = F32_6X16;
 
     unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
         // SAFETY: a `FmaAvx2` exists only where AVX2 and FMA run; pointers as the caller guarantees.
@@ -60,12 +55,7 @@ impl Micro for FmaAvx2 {
 
 impl Micro for FmaAvx512 {
     type Packed = f32;
-    const MR: usize = 6;
-    const NR: usize = 64;
-    const K_PER_STEP: usize = 1;
-    const KC: usize = 128;
-    const MC: usize = 96;
-    const NC: usize = 256;
+    const B: Blocking = F32_6X64;
 
     unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
         // SAFETY: a `FmaAvx512` exists only where AVX-512 runs; pointers as the caller guarantees.
@@ -75,12 +65,7 @@ impl Micro for FmaAvx512 {
 
 impl Micro for DotAvx512Bf16 {
     type Packed = u32;
-    const MR: usize = 6;
-    const NR: usize = 64;
-    const K_PER_STEP: usize = 2;
-    const KC: usize = 128;
-    const MC: usize = 96;
-    const NC: usize = 256;
+    const B: Blocking = PAIRS_6X64;
 
     unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
         // SAFETY: a `DotAvx512Bf16` exists only where AVX512-BF16 runs; pointers as the caller guarantees.
