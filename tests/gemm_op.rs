@@ -34,11 +34,13 @@ fn reference(a: &[f64], b: &[f64], (batch, m, k, n): (usize, usize, usize, usize
     (c, abs)
 }
 
-fn unit(dtype: DType) -> f64 {
+/// The output dtype's unit roundoff, and half its smallest subnormal step (the absolute error of a
+/// result that is subnormal there).
+fn unit(dtype: DType) -> (f64, f64) {
     match dtype {
-        DType::F16 => 2f64.powi(-11),
-        DType::BF16 => 2f64.powi(-8),
-        _ => 2f64.powi(-24),
+        DType::F16 => (2f64.powi(-11), 2f64.powi(-25)),
+        DType::BF16 => (2f64.powi(-8), 2f64.powi(-134)),
+        _ => (2f64.powi(-24), 2f64.powi(-150)),
     }
 }
 
@@ -53,7 +55,8 @@ fn assert_within(
     let got = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
     let gamma = k as f64 * 2f64.powi(-24) * 1.01;
     for (i, ((g, w), s)) in got.iter().zip(&want).zip(&abs).enumerate() {
-        let bound = gamma * s + unit(out) * (w.abs() + gamma * s);
+        let (u, tiny) = unit(out);
+        let bound = gamma * s + u * (w.abs() + gamma * s) + tiny;
         assert!((g - w).abs() <= bound, "{what}[{i}]: {g:e} vs {w:e}, bound {bound:e}");
     }
     Ok(())

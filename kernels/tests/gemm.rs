@@ -88,21 +88,13 @@ fn run(path: GemmPath, case: &Case, x: &Inputs) -> Vec<f32> {
     c.to_f32()
 }
 
-fn out_unit(dtype: Dtype) -> f64 {
-    match dtype {
-        Dtype::F32 => 2f64.powi(-24),
-        Dtype::F16 => 2f64.powi(-11),
-        Dtype::Bf16 => 2f64.powi(-8),
-    }
-}
-
 /// Asserts `got` is within the reference's bound, element by element.
 fn assert_within_bound(path: GemmPath, case: &Case, x: &Inputs, got: &[f32]) {
     let want = reference::gemm(case.dims, x.a.view(), x.b.view(), case.compute);
     let c0 = Owned::new(case.out, &x.c0).to_f32();
     for (i, &g) in got.iter().enumerate() {
         let base = if case.accumulate { f64::from(c0[i]) } else { 0.0 };
-        let (w, bound) = (want.c[i] + base, want.bound(i, base, out_unit(case.out)));
+        let (w, bound) = (want.c[i] + base, want.bound(i, base, case.out));
         // Past the output format's largest finite value (f16: 65504) the result is that sign's infinity.
         let may_overflow = w.abs() + bound > largest(case.out);
         if may_overflow && g.is_infinite() && (g > 0.0) == (w > 0.0) {
@@ -407,7 +399,7 @@ fn a_bias_row_starts_every_row_and_is_rounded_with_the_sum_once() {
                     .unwrap();
                 for (i, g) in c.to_f32().into_iter().enumerate() {
                     let b = f64::from(bias[i % n]);
-                    let (w, bound) = (want.c[i] + b, want.bound(i, b, out_unit(out)));
+                    let (w, bound) = (want.c[i] + b, want.bound(i, b, out));
                     assert!(
                         (f64::from(g) - w).abs() <= bound,
                         "{path} {case:?}: C[{i}] = {g:e}, want {w:e} +- {bound:e}"

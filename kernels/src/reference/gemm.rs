@@ -4,6 +4,7 @@ use half::{bf16, f16};
 
 use super::get;
 use crate::gemm::{Compute, Dims, MatRef};
+use crate::Dtype;
 
 /// The exact product of the operands rounded to the compute precision (summed in f64), and the data
 /// of the error bound.
@@ -23,14 +24,20 @@ impl GemmReference {
     /// (an FMA chain, `vdpbf16ps` included): `gamma_k (|initial| + sum|a b|)` with
     /// `gamma_k = k u / (1 - k u)`, `u = 2^-24` (Higham, Accuracy and Stability of Numerical Algorithms,
     /// eq. 3.5), plus `k * 2^-126` for partial sums flushed to zero, plus the final rounding to the
-    /// output format, whose unit roundoff is `out_unit` (2^-24 for f32, 2^-11 for f16, 2^-8 for bf16).
+    /// output dtype `out`: its unit roundoff relative to the result (2^-24 f32, 2^-11 f16, 2^-8 bf16), or
+    /// half its smallest subnormal step where the result is subnormal there (2^-150, 2^-25, 2^-134).
     #[must_use]
-    pub fn bound(&self, i: usize, initial: f64, out_unit: f64) -> f64 {
+    pub fn bound(&self, i: usize, initial: f64, out: Dtype) -> f64 {
         let u = 2f64.powi(-24);
         let k = self.k as f64;
         let gamma = k * u / (1.0 - k * u);
         let sum_bound = gamma * (initial.abs() + self.abs[i]) + k * 2f64.powi(-126);
-        sum_bound + out_unit * ((initial + self.c[i]).abs() + sum_bound)
+        let (unit, tiny) = match out {
+            Dtype::F32 => (2f64.powi(-24), 2f64.powi(-150)),
+            Dtype::F16 => (2f64.powi(-11), 2f64.powi(-25)),
+            Dtype::Bf16 => (2f64.powi(-8), 2f64.powi(-134)),
+        };
+        sum_bound + unit * ((initial + self.c[i]).abs() + sum_bound) + tiny
     }
 }
 
