@@ -138,6 +138,13 @@ pub fn initial_weights(seed: u64) -> candle_core::Result<VarMap> {
         let values = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
         let mean = values.iter().sum::<f32>() / values.len() as f32;
         let std = (values.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / values.len() as f32).sqrt();
+        // candle's CPU generator cannot be seeded, so only the scale of its draw is kept, without the
+        // draw's noise: a constant tensor (a norm's weight) stays that constant; any other has mean 0
+        // under every init candle uses, and a standard deviation of sqrt(2 / fan_in) or 1, a power of
+        // sqrt(2) for this config's power-of-two sizes, so the measured one is snapped to the nearest
+        // power of sqrt(2) (sampling noise is a few percent; the grid steps are 41%).
+        let (mean, std) =
+            if std == 0.0 { (mean, 0.0) } else { (0.0, 2f32.powf((2.0 * std.log2()).round() / 2.0)) };
         let half_width = 3f32.sqrt() * std;
         let redrawn: Vec<f32> =
             values.iter().map(|_| mean + half_width * rng.random_range(-1.0f32..=1.0)).collect();
