@@ -229,7 +229,7 @@ fn state_cases(real: &[u8]) -> Outcome<Vec<Case>> {
         case(
             "optimizer_config_not_object",
             with(opt_key, &optimizer, &|s| s["config"] = json!("adam"))?,
-            "unreadable settings",
+            "state in the checkpoint is unreadable",
         ),
     ])
 }

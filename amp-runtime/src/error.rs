@@ -157,9 +157,12 @@ pub enum Error {
         /// Which settings, and what would be valid.
         reason: String,
     },
-    /// The JSON part of a saved training state (a scaler's, an optimizer's) could not be read.
+    /// The JSON part of a saved training state (a scaler's, an optimizer's) could not be read. The
+    /// message names the parser's finding too (`missing field ...`), so that the one line a user sees
+    /// says what is wrong; the parser's error is also the source.
     #[error(
-        "the saved `{key}` state in the checkpoint is unreadable (written by another version, or damaged)"
+        "the saved `{key}` state in the checkpoint is unreadable (written by another version, or damaged): \
+         {source}"
     )]
     SavedStateUnreadable {
         /// The state's key in the checkpoint.
