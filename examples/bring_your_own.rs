@@ -14,10 +14,10 @@ use std::time::Instant;
 
 use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
 use amp::scaler::{MissingGradients, ScalerConfig};
-use amp::varmap::AmpVarMap;
+use amp::varmap::{AmpVarMap, SeededInit};
 use amp::{AmpConfig, AmpModuleExt, GradScaler, OptLevel, Precision};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarMap;
 use candle_transformers::models::gemma;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -122,35 +122,13 @@ fn sample(rng: &mut StdRng, dist: &[f64]) -> usize {
         .unwrap_or(dist.len() - 1)
 }
 
-/// Gemma's initial weights, made once so that every run starts from them: candle's own initializers
-/// give each tensor its scale, then each is redrawn from a uniform distribution of the same mean and
-/// standard deviation with a seeded generator (candle's CPU generator cannot be seeded), so that a run
-/// is the same every time.
+/// Gemma's initial weights, made once so that every run of a seed starts from them: candle-nn's own
+/// initializers drawn from `seed` (`amp::varmap::SeededInit`; candle's CPU generator cannot be seeded),
+/// so that a run is the same every time.
 pub fn initial_weights(seed: u64) -> candle_core::Result<VarMap> {
     let varmap = VarMap::new();
-    gemma::Model::new(false, &gemma_config(), VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let data = varmap.data().lock().map_err(|_| candle_core::Error::Msg("VarMap lock poisoned".into()))?;
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    for name in names {
-        let var = &data[name];
-        let values = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-        let mean = values.iter().sum::<f32>() / values.len() as f32;
-        let std = (values.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / values.len() as f32).sqrt();
-        // candle's CPU generator cannot be seeded, so only the scale of its draw is kept, without the
-        // draw's noise: a constant tensor (a norm's weight) stays that constant; any other has mean 0
-        // under every init candle uses, and a standard deviation of sqrt(2 / fan_in) or 1, a power of
-        // sqrt(2) for this config's power-of-two sizes, so the measured one is snapped to the nearest
-        // power of sqrt(2) (sampling noise is a few percent; the grid steps are 41%).
-        let (mean, std) =
-            if std == 0.0 { (mean, 0.0) } else { (0.0, 2f32.powf((2.0 * std.log2()).round() / 2.0)) };
-        let half_width = 3f32.sqrt() * std;
-        let redrawn: Vec<f32> =
-            values.iter().map(|_| mean + half_width * rng.random_range(-1.0f32..=1.0)).collect();
-        var.set(&Tensor::from_vec(redrawn, var.shape(), &Device::Cpu)?)?;
-    }
-    drop(data);
+    let vb = SeededInit::new(seed).var_builder(&varmap, DType::F32, &Device::Cpu);
+    gemma::Model::new(false, &gemma_config(), vb)?;
     Ok(varmap)
 }
 

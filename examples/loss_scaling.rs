@@ -7,7 +7,10 @@
 //! model from the same weights in fp32, fp16 O2 without scaling (the updates vanish and the loss stalls)
 //! and fp16 O2 with the dynamic scaler (it matches fp32).
 //!
-//! Run: `cargo run --release --example loss_scaling`
+//! Every run is repeated over several seeds (initial weights and batch; `--seeds`, default 5) and the
+//! table gives each setup's mean and spread, and its final loss against fp32's of the same seed.
+//!
+//! Run: `cargo run --release --example loss_scaling` (`-- --seeds N --steps N`, `--help`)
 
 use amp::nn::{linear, Linear};
 use amp::optim::{FusedSgd, ParamGroups, SgdConfig};
@@ -63,10 +66,14 @@ pub enum Setup {
     Fp16Scaled,
 }
 
-/// Seeded initial weights of a `width`-wide, `depth`-deep MLP (uniform in +-1/sqrt(fan_in), as
-/// candle-nn's default bias init), and a seeded regression batch: the run is the same every time.
-pub fn problem(width: usize, depth: usize) -> candle_core::Result<(HashMap<String, Tensor>, Tensor, Tensor)> {
-    let mut rng = StdRng::seed_from_u64(17);
+/// Initial weights of a `width`-wide, `depth`-deep MLP (uniform in +-1/sqrt(fan_in), as candle-nn's
+/// default bias init) and a regression batch, both drawn from `seed`: the run is the same every time.
+pub fn problem(
+    width: usize,
+    depth: usize,
+    seed: u64,
+) -> candle_core::Result<(HashMap<String, Tensor>, Tensor, Tensor)> {
+    let mut rng = StdRng::seed_from_u64(17 + seed);
     let mut uniform = |shape: &[usize], bound: f32| {
         let n = shape.iter().product();
         let values: Vec<f32> = (0..n).map(|_| rng.random_range(-bound..bound)).collect();
@@ -156,21 +163,71 @@ pub fn train(
     })
 }
 
+/// Loss scaling shown: fp32, fp16 without scaling and fp16 with the dynamic scaler, over several seeds.
+#[derive(Debug, clap::Parser)]
+#[command(name = "loss_scaling")]
+struct Args {
+    /// Seeds (each its own initial weights and batch)
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    seeds: u64,
+    /// SGD steps per run, at least 10
+    #[arg(long, value_name = "N", default_value_t = 300, value_parser = clap::value_parser!(u64).range(10..))]
+    steps: u64,
+}
+
+/// Mean and sample standard deviation.
+fn mean_sd(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    (mean, (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0)).sqrt())
+}
+
 #[allow(dead_code)]
 fn main() -> amp::Result<()> {
-    let (width, depth, steps) = (64, 4, 300);
-    let (weights, x, y) = problem(width, depth)?;
-    let flushed = flush_fraction(&weights, &x, &y, width, depth)?;
-    println!("fp32 weight gradients that flush to zero in fp16: {:.1}%", 100.0 * flushed);
-    println!("{:<22} {:>12} {:>12} {:>8}", "run", "first loss", "final loss", "skipped");
-    for setup in [Setup::Fp32, Setup::Fp16Unscaled, Setup::Fp16Scaled] {
-        let outcome = train(&weights, &x, &y, width, depth, setup, steps)?;
+    let args = <Args as clap::Parser>::parse();
+    let (width, depth, steps) = (64, 4, args.steps as usize);
+    let setups = [Setup::Fp32, Setup::Fp16Unscaled, Setup::Fp16Scaled];
+    let (mut flushed, mut outcomes) = (Vec::new(), vec![Vec::new(); setups.len()]);
+    for seed in 0..args.seeds {
+        let (weights, x, y) = problem(width, depth, seed)?;
+        flushed.push(flush_fraction(&weights, &x, &y, width, depth)?);
+        for (setup, outcomes) in setups.iter().zip(&mut outcomes) {
+            outcomes.push(train(&weights, &x, &y, width, depth, *setup, steps)?);
+        }
+    }
+    let (flush_mean, flush_sd) = mean_sd(&flushed);
+    println!(
+        "fp32 weight gradients that flush to zero in fp16: {:.1}% +- {:.1}%",
+        100.0 * flush_mean,
+        100.0 * flush_sd
+    );
+    println!(
+        "{} seeds (weights and batch), {steps} steps; mean +- standard deviation across seeds; final loss: \
+         mean of the last 10% of steps; \"/ fp32\": final loss over fp32's of the same seed",
+        args.seeds
+    );
+    println!(
+        "{:<14} {:>22} {:>22} {:>20} {:>8}",
+        "run", "first loss", "final loss", "final / fp32", "skipped"
+    );
+    for (setup, runs) in setups.iter().zip(&outcomes) {
+        let of = |f: &dyn Fn(&Outcome) -> f64| runs.iter().map(f).collect::<Vec<_>>();
+        let (first, first_sd) = mean_sd(&of(&|o| f64::from(o.first)));
+        let (last, last_sd) = mean_sd(&of(&|o| f64::from(o.last)));
+        let ratios: Vec<f64> =
+            runs.iter().zip(&outcomes[0]).map(|(o, fp32)| f64::from(o.last / fp32.last)).collect();
+        let (ratio, ratio_sd) = mean_sd(&ratios);
+        let ratio = match setup {
+            Setup::Fp32 => "-".to_string(),
+            _ if ratio > 100.0 => format!("{ratio:.1e} +- {ratio_sd:.0e}"),
+            _ => format!("{ratio:.4} +- {ratio_sd:.4}"),
+        };
         println!(
-            "{:<22} {:>12.3e} {:>12.3e} {:>8}",
+            "{:<14} {:>22} {:>22} {ratio:>20} {:>8}",
             format!("{setup:?}"),
-            outcome.first,
-            outcome.last,
-            outcome.skipped
+            format!("{first:.3e} +- {first_sd:.1e}"),
+            format!("{last:.3e} +- {last_sd:.1e}"),
+            runs.iter().map(|o| o.skipped).sum::<u64>()
         );
     }
     Ok(())

@@ -262,3 +262,31 @@ fn o3_hands_out_half_parameters_that_amps_optimizers_refuse() -> amp::Result<()>
     assert!(matches!(err, amp::Error::NoFp32Master { .. }), "{err}");
     Ok(())
 }
+
+#[test]
+fn a_seeded_map_draws_the_same_initial_weights_every_time_and_a_plain_varmap_the_same_ones() -> amp::Result<()>
+{
+    let device = Device::Cpu;
+    let masters = |seed: u64| -> amp::Result<Vec<Vec<f32>>> {
+        let config = AmpConfig::new(OptLevel::O2, &device).with_half(Precision::Bf16);
+        let varmap = AmpVarMap::new(config).with_seed(seed)?;
+        let _model = Classifier::new(varmap.var_builder(&device))?;
+        let values = varmap.master_vars().into_iter().map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>());
+        Ok(values.collect::<candle_core::Result<_>>()?)
+    };
+    assert_eq!(masters(3)?, masters(3)?);
+    assert_ne!(masters(3)?, masters(4)?);
+    // The same values through candle-nn's own VarMap, seeded the same way.
+    let plain = VarMap::new();
+    Classifier::new(amp::varmap::SeededInit::new(3).var_builder(&plain, DType::F32, &device))?;
+    let data = plain.data().lock().expect("no other thread holds the map");
+    let weight = data["fc1.weight"].as_tensor().flatten_all()?.to_vec1::<f32>()?;
+    assert_eq!(weight, masters(3)?[0]);
+    drop(data);
+    // Seeding a map already handed out is refused: its tensors would mix two initializations.
+    let varmap = AmpVarMap::new(AmpConfig::new(OptLevel::O0, &device));
+    let _shared = varmap.clone();
+    let err = varmap.with_seed(1).unwrap_err();
+    assert!(err.to_string().contains("with_seed"), "{err}");
+    Ok(())
+}

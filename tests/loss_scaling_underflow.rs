@@ -14,7 +14,7 @@ use demo::Setup;
 #[test]
 fn fp16_underflows_without_scaling_and_matches_fp32_with_it() -> amp::Result<()> {
     let (width, depth, steps) = (32, 3, 150);
-    let (weights, x, y) = demo::problem(width, depth)?;
+    let (weights, x, y) = demo::problem(width, depth, 0)?;
     let flushed = demo::flush_fraction(&weights, &x, &y, width, depth)?;
     assert!(
         flushed > 0.5,

@@ -106,7 +106,7 @@ fn train(
 #[test]
 fn bf16_and_fp16_land_where_fp32_does() -> amp::Result<()> {
     let (rows, floor) = markov(7);
-    let weights = Gpt::initial_weights(SHAPE, &Device::Cpu)?;
+    let weights = Gpt::initial_weights(SHAPE, 5, &Device::Cpu)?;
     let data = batches(&rows, 1)?;
     let fp32 = AmpConfig { opt_level: OptLevel::O0, half: Precision::Bf16 };
     let (reference, _) = train(&weights, fp32, &data)?;

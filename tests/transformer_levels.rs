@@ -55,7 +55,7 @@ fn train(weights: &HashMap<String, Tensor>, config: AmpConfig) -> amp::Result<(f
 
 #[test]
 fn a_small_transformer_trains_under_every_level() -> amp::Result<()> {
-    let weights = Gpt::initial_weights(SHAPE, &Device::Cpu)?;
+    let weights = Gpt::initial_weights(SHAPE, 5, &Device::Cpu)?;
     let mut finals = Vec::new();
     for opt_level in OptLevel::ALL {
         let (first, last) = train(&weights, AmpConfig { opt_level, half: Precision::Bf16 })?;

@@ -7,6 +7,7 @@ use amp::nn::{
 };
 use std::collections::HashMap;
 
+use amp::varmap::SeededInit;
 use amp::AmpModule;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -86,11 +87,15 @@ impl Gpt {
         })
     }
 
-    /// A fresh initialisation (candle-nn's), by name, to build several models from the same weights
-    /// with `VarBuilder::from_tensors`.
-    pub fn initial_weights(shape: GptShape, device: &Device) -> candle_core::Result<HashMap<String, Tensor>> {
+    /// candle-nn's initialisation drawn from `seed` (reproducible: `amp::varmap::SeededInit`), by
+    /// name, to build several models from the same weights with `VarBuilder::from_tensors`.
+    pub fn initial_weights(
+        shape: GptShape,
+        seed: u64,
+        device: &Device,
+    ) -> candle_core::Result<HashMap<String, Tensor>> {
         let varmap = VarMap::new();
-        Gpt::new(shape, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+        Gpt::new(shape, SeededInit::new(seed).var_builder(&varmap, DType::F32, device))?;
         let data = varmap.data().lock().map_err(|_| candle_core::Error::Msg("poisoned var map".into()))?;
         data.iter().map(|(name, var)| Ok((name.clone(), var.as_tensor().copy()?))).collect()
     }

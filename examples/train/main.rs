@@ -18,7 +18,9 @@
 //! `--help` lists every flag.
 
 mod gpt;
+mod markov;
 mod plot;
+mod report;
 
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
@@ -34,11 +36,10 @@ use amp::{AmpConfig, AmpModuleExt, GradScaler, OptLevel, Precision};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
 use gpt::{Gpt, GptShape};
+use markov::{split, Markov, SUCCESSORS, VOCAB};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
-const VOCAB: usize = 32;
-const SUCCESSORS: usize = 3; // likely successors per token
 const EVAL_SEQS: usize = 64;
 const SEED: u64 = 2026;
 
@@ -86,86 +87,6 @@ impl Size {
     }
 }
 
-/// A first-order Markov source: each token has `SUCCESSORS` likely successors, plus a little mass on
-/// every token so that the chain is irreducible and aperiodic (a unique stationary distribution).
-struct Markov {
-    rows: Vec<Vec<f64>>,
-    stationary: Vec<f64>,
-}
-
-impl Markov {
-    fn generate(seed: u64) -> Self {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let rows: Vec<Vec<f64>> = (0..VOCAB)
-            .map(|_| {
-                let mut row = [0.002; VOCAB];
-                for _ in 0..SUCCESSORS {
-                    row[rng.random_range(0..VOCAB)] += rng.random_range(0.2..1.0);
-                }
-                let total: f64 = row.iter().sum();
-                row.iter().map(|p| p / total).collect()
-            })
-            .collect();
-        let mut stationary = vec![1.0 / VOCAB as f64; VOCAB];
-        for _ in 0..10_000 {
-            let mut next = vec![0.0; VOCAB];
-            for (i, row) in rows.iter().enumerate() {
-                for (j, p) in row.iter().enumerate() {
-                    next[j] += stationary[i] * p;
-                }
-            }
-            stationary = next;
-        }
-        Markov { rows, stationary }
-    }
-
-    /// The entropy rate `sum_i pi_i H(P_i)` in nats per token: the lowest expected cross-entropy any
-    /// next-token predictor can reach on this source.
-    fn entropy_rate(&self) -> f64 {
-        let h = |row: &Vec<f64>| -row.iter().filter(|p| **p > 0.0).map(|p| p * p.ln()).sum::<f64>();
-        self.rows.iter().zip(&self.stationary).map(|(row, pi)| pi * h(row)).sum()
-    }
-
-    /// The likeliest successor of each token, and the expected accuracy of always guessing it.
-    fn best_guess(&self) -> (Vec<u32>, f64) {
-        let argmax = |row: &Vec<f64>| (0..VOCAB).max_by(|a, b| row[*a].total_cmp(&row[*b])).unwrap_or(0);
-        let guesses: Vec<u32> = self.rows.iter().map(|row| argmax(row) as u32).collect();
-        let accuracy = self.rows.iter().zip(&self.stationary).map(|(row, pi)| pi * row[argmax(row)]).sum();
-        (guesses, accuracy)
-    }
-
-    fn sample(dist: &[f64], rng: &mut StdRng) -> usize {
-        let u: f64 = rng.random();
-        let mut cumulative = dist.iter().scan(0.0, |acc, p| Some(*acc + p).inspect(|c| *acc = *c));
-        cumulative.position(|c| c >= u).unwrap_or(dist.len() - 1)
-    }
-
-    /// `seqs` sequences of `seq + 1` tokens, each starting from the stationary distribution.
-    fn sequences(&self, seqs: usize, seq: usize, rng: &mut StdRng) -> Vec<u32> {
-        let mut out = Vec::with_capacity(seqs * (seq + 1));
-        for _ in 0..seqs {
-            let mut token = Self::sample(&self.stationary, rng);
-            out.push(token as u32);
-            for _ in 0..seq {
-                token = Self::sample(&self.rows[token], rng);
-                out.push(token as u32);
-            }
-        }
-        out
-    }
-}
-
-/// Inputs `(seqs, seq)` and next-token targets `(seqs * seq,)`.
-fn split(
-    tokens: Vec<u32>,
-    seqs: usize,
-    seq: usize,
-    device: &Device,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let all = Tensor::from_vec(tokens, (seqs, seq + 1), device)?;
-    Ok((all.narrow(D::Minus1, 0, seq)?, all.narrow(D::Minus1, 1, seq)?.flatten_all()?))
-}
-
 /// fp32, bf16 and fp16 training of the same small transformer, compared (the main job).
 #[derive(Debug, clap::Parser)]
 #[command(name = "train")]
@@ -190,6 +111,10 @@ struct Args {
     /// The device; only cpu in this build (CUDA needs the `cuda` feature, not built here)
     #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
     device: String,
+    /// Seeds: each its own initial weights, data order and held-out set (the task stays the same); with
+    /// more than one, a final table gives each run's mean and spread across seeds, paired with fp32
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    seeds: u64,
     /// Where results.json, loss_curves.csv and loss_curves.png go
     #[arg(long, value_name = "DIR", default_value = "out")]
     out: PathBuf,
@@ -221,25 +146,27 @@ fn parse_steps(steps: &str) -> Result<usize, String> {
     }
 }
 
-struct Run {
-    name: String,
-    curve: Vec<(usize, f32)>,
-    step_ms: Vec<f64>,
-    skipped: u64,
-    scale: f32,
-    accuracy: f64,
-    bytes: usize,
+/// What one run of one seed did.
+#[derive(Debug)]
+pub struct Run {
+    pub name: String,
+    pub curve: Vec<(usize, f32)>,
+    pub step_ms: Vec<f64>,
+    pub skipped: u64,
+    pub scale: f32,
+    pub accuracy: f64,
+    pub bytes: usize,
 }
 
 impl Run {
-    fn median_ms(&self) -> f64 {
+    pub fn median_ms(&self) -> f64 {
         let mut t = self.step_ms.clone();
         t.sort_by(f64::total_cmp);
         t[t.len() / 2]
     }
 
     /// Mean training loss over the last 5% of steps (fresh samples each step: an unbiased estimate).
-    fn final_loss(&self) -> f64 {
+    pub fn final_loss(&self) -> f64 {
         let tail = &self.curve[self.curve.len() - (self.curve.len() / 20).max(1)..];
         tail.iter().map(|(_, l)| f64::from(*l)).sum::<f64>() / tail.len() as f64
     }
@@ -343,6 +270,71 @@ fn learning_rate(lr: f64, step: usize, steps: usize) -> f64 {
     lr * (0.1 + 0.45 * (1.0 + (std::f64::consts::PI * t).cos()))
 }
 
+/// One seed's data: the training batches, the held-out set and the oracle's accuracy on it.
+struct SeedData {
+    batches: Vec<(Tensor, Tensor)>,
+    eval: (Tensor, Tensor),
+    oracle: f64,
+}
+
+impl SeedData {
+    /// Draws `steps` batches and the held-out set from one stream seeded by `seed`.
+    fn draw(
+        source: &Markov,
+        size: Size,
+        steps: usize,
+        seed: u64,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let mut rng = StdRng::seed_from_u64(SEED + 1 + 1000 * seed);
+        let (batch, seq) = (size.batch, size.shape.seq);
+        let batches = (0..steps)
+            .map(|_| split(source.sequences(batch, seq, &mut rng), batch, seq, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        let eval = split(source.sequences(EVAL_SEQS, seq, &mut rng), EVAL_SEQS, seq, device)?;
+        let (guesses, _) = source.best_guess();
+        let ids = eval.0.flatten_all()?.to_vec1::<u32>()?;
+        let targets = eval.1.to_vec1::<u32>()?;
+        let hits = ids.iter().zip(&targets).filter(|(i, t)| guesses[**i as usize] == **t).count();
+        Ok(SeedData { batches, eval, oracle: hits as f64 / targets.len() as f64 })
+    }
+}
+
+/// Trains every run of `args` from `weights` on `data`, in lockstep, with a live bar and a progress line
+/// every 10% of the steps.
+fn train_runs(
+    args: &Args,
+    weights: &HashMap<String, Tensor>,
+    data: &SeedData,
+) -> Result<Vec<Run>, Box<dyn std::error::Error>> {
+    let size = args.size;
+    let steps = data.batches.len();
+    let mut trainers = args
+        .runs
+        .iter()
+        .map(|p| Trainer::new(size, run_name(*p, args.opt_level), weights, config_for(*p, args.opt_level)))
+        .collect::<amp::Result<Vec<_>>>()?;
+    let every = (steps / 10).max(1);
+    // A live bar on a terminal (hidden when output is redirected), plus a line every 10% for logs.
+    let bar = indicatif::ProgressBar::new(steps as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:24} {pos}/{len} {msg}")
+            .map_err(|e| format!("progress bar template: {e}"))?,
+    );
+    for (step, batch) in data.batches.iter().enumerate().map(|(i, b)| (i + 1, b)) {
+        for trainer in &mut trainers {
+            trainer.step(step, learning_rate(size.lr, step, steps), batch)?;
+        }
+        bar.set_position(step as u64);
+        bar.set_message(trainers.iter().map(Trainer::status).collect::<Vec<_>>().join(" | "));
+        if step % every == 0 || step == steps {
+            bar.suspend(|| trainers.iter_mut().for_each(|t| t.progress(step, steps)));
+        }
+    }
+    bar.finish_and_clear();
+    Ok(trainers.into_iter().map(|t| t.finish(&data.eval)).collect::<amp::Result<Vec<_>>>()?)
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // candle runs its elementwise ops on a pool of its own whose threads spin while they wait, beside
     // rayon's pool where amp's GEMM and optimizer run: on 2 cores the spinning takes a fifth to a third
@@ -360,31 +352,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let source = Markov::generate(SEED);
     let floor = source.entropy_rate();
-    let (guesses, best_accuracy) = source.best_guess();
+    let (_, best_accuracy) = source.best_guess();
     println!(
         "task: next token of a {VOCAB}-token Markov source ({SUCCESSORS} likely successors per token)\n  \
          entropy rate (the floor) {floor:.4} nats/token; uniform guess ln V = {:.4}; best accuracy {:.1}%",
         (VOCAB as f64).ln(),
         100.0 * best_accuracy
     );
-    // The same data order for every run: one seeded stream, drawn once.
-    let mut rng = StdRng::seed_from_u64(SEED + 1);
     let (size, steps) = (args.size, args.steps.unwrap_or(args.size.steps));
     let (batch, seq) = (size.batch, size.shape.seq);
-    let batches = (0..steps)
-        .map(|_| split(source.sequences(batch, seq, &mut rng), batch, seq, &device))
-        .collect::<Result<Vec<_>, _>>()?;
-    let eval_tokens = source.sequences(EVAL_SEQS, seq, &mut rng);
-    let eval = split(eval_tokens, EVAL_SEQS, seq, &device)?;
-    let eval_ids = eval.0.flatten_all()?.to_vec1::<u32>()?;
-    let eval_targets = eval.1.to_vec1::<u32>()?;
-    let oracle = eval_ids.iter().zip(&eval_targets).filter(|(i, t)| guesses[**i as usize] == **t).count();
-    let oracle = oracle as f64 / eval_targets.len() as f64;
-
-    // One set of initial weights, copied into every run.
-    let weights = Gpt::initial_weights(size.shape, &device)?;
     if let Some(half) = args.runs.iter().find(|p| **p != Precision::Fp32) {
-        let mut model = Gpt::new(size.shape, VarBuilder::from_tensors(weights.clone(), DType::F32, &device))?;
+        let weights = Gpt::initial_weights(size.shape, 0, &device)?;
+        let mut model = Gpt::new(size.shape, VarBuilder::from_tensors(weights, DType::F32, &device))?;
         amp::initialize(&mut model, config_for(*half, args.opt_level))?;
         println!(
             "\nprecision plan of the {} run:\n{}\n",
@@ -399,88 +378,37 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         size.name,
         size.flops_per_step() / 1e9
     );
-    let bf16_path = amp::dispatch::explain(
-        &device,
-        Precision::Bf16,
-        amp::dispatch::Dims::new(batch * seq, 4 * embed, embed),
-    );
-    let f32_path = amp::dispatch::explain(
-        &device,
-        Precision::Fp32,
-        amp::dispatch::Dims::new(batch * seq, 4 * embed, embed),
-    );
+    let dims = amp::dispatch::Dims::new(batch * seq, 4 * embed, embed);
+    let bf16_path = amp::dispatch::explain(&device, Precision::Bf16, dims);
+    let f32_path = amp::dispatch::explain(&device, Precision::Fp32, dims);
     println!("matrix products: fp32 on {}; bf16 and fp16 on {}\n", f32_path.kernel, bf16_path.kernel);
 
-    let mut trainers = args
-        .runs
-        .iter()
-        .map(|p| Trainer::new(size, run_name(*p, args.opt_level), &weights, config_for(*p, args.opt_level)))
-        .collect::<amp::Result<Vec<_>>>()?;
-    let every = (steps / 10).max(1);
-    // A live bar on a terminal (hidden when output is redirected), plus a line every 10% for logs.
-    let bar = indicatif::ProgressBar::new(steps as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:24} {pos}/{len} {msg}")
-            .map_err(|e| format!("progress bar template: {e}"))?,
-    );
-    for (step, batch) in batches.iter().enumerate().map(|(i, b)| (i + 1, b)) {
-        for trainer in &mut trainers {
-            trainer.step(step, learning_rate(lr, step, steps), batch)?;
+    let mut seeds = Vec::new();
+    for seed in 0..args.seeds {
+        if args.seeds > 1 {
+            println!("seed {seed} of {}: its own initial weights, data order and held-out set", args.seeds);
         }
-        bar.set_position(step as u64);
-        bar.set_message(trainers.iter().map(Trainer::status).collect::<Vec<_>>().join(" | "));
-        if step % every == 0 || step == steps {
-            bar.suspend(|| trainers.iter_mut().for_each(|t| t.progress(step, steps)));
-        }
+        let data = SeedData::draw(&source, size, steps, seed, &device)?;
+        let weights = Gpt::initial_weights(size.shape, seed, &device)?;
+        let runs = train_runs(&args, &weights, &data)?;
+        report::table(&runs, size.tokens(), floor, best_accuracy, data.oracle);
+        seeds.push(report::Seed { seed, runs, oracle: data.oracle });
     }
-    bar.finish_and_clear();
-    let runs = trainers.into_iter().map(|t| t.finish(&eval)).collect::<amp::Result<Vec<_>>>()?;
-
-    let fp32_ms = runs.iter().find(|r| r.name.starts_with("fp32")).map(Run::median_ms);
-    println!(
-        "\n{:<9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>10}",
-        "run", "step ms", "tokens/s", "loss", "gap", "accuracy", "skipped", "scale", "speed-up", "param B"
-    );
-    let mut json_runs = Vec::new();
-    for run in &runs {
-        let ms = run.median_ms();
-        let speedup = fp32_ms.map(|f| f / ms);
-        let tokens_s = size.tokens() as f64 / (ms / 1e3);
-        println!(
-            "{:<9} {ms:>8.2} {tokens_s:>9.0} {:>8.4} {:>9.4} {:>8.1}% {:>8} {:>8} {:>8} {:>10}",
-            run.name,
-            run.final_loss(),
-            run.final_loss() - floor,
-            100.0 * run.accuracy,
-            run.skipped,
-            run.scale,
-            speedup.map_or("-".to_string(), |s| format!("{s:.2}x")),
-            run.bytes
-        );
-        json_runs.push(serde_json::json!({
-            "run": run.name, "median_step_ms": ms, "tokens_per_s": tokens_s, "final_loss": run.final_loss(),
-            "gap_to_floor": run.final_loss() - floor, "accuracy": run.accuracy, "skipped_steps": run.skipped,
-            "final_scale": run.scale, "speedup_vs_fp32": speedup, "param_bytes": run.bytes,
-            "loss_curve": run.curve,
-        }));
+    if seeds.len() > 1 {
+        report::across_seeds(&seeds, floor);
     }
-    println!(
-        "floor {floor:.4} nats/token; best accuracy {:.1}% (oracle on the eval set: {:.1}%)",
-        100.0 * best_accuracy,
-        100.0 * oracle
-    );
-    println!("param B = parameters as stored (masters + half copies) + optimizer state.");
 
     std::fs::create_dir_all(&args.out)?;
     let results = serde_json::json!({
-        "task": { "vocab": VOCAB, "successors": SUCCESSORS, "entropy_floor": floor,
-                  "best_accuracy": best_accuracy, "oracle_eval_accuracy": oracle },
+        "task": { "vocab": VOCAB, "successors": SUCCESSORS, "entropy_floor": floor, "best_accuracy": best_accuracy },
         "size": size.name, "d_model": embed, "layers": layers, "heads": heads,
         "flops_per_step": size.flops_per_step(), "matmul_bf16": bf16_path.kernel.to_string(),
         "steps": steps, "batch": batch, "seq": seq, "lr": lr, "opt_level": args.opt_level.to_string(),
-        "runs": json_runs,
+        "seeds": seeds.iter().map(|s| report::seed_json(s, size.tokens(), floor)).collect::<Vec<_>>(),
     });
     std::fs::write(args.out.join("results.json"), serde_json::to_string_pretty(&results)?)?;
+    // The curves of the first seed.
+    let runs = &seeds[0].runs;
     let mut csv = csv::Writer::from_path(args.out.join("loss_curves.csv"))?;
     csv.write_record(std::iter::once("step").chain(runs.iter().map(|r| r.name.as_str())))?;
     for i in 0..steps {
@@ -492,7 +420,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         runs.iter().map(|r| (r.name.as_str(), r.curve.as_slice())).collect();
     plot::loss_curves(&args.out.join("loss_curves.png"), &curves, floor)?;
     println!(
-        "wrote results.json, loss_curves.csv and loss_curves.png to {} ({:.0} s)",
+        "wrote results.json, loss_curves.csv and loss_curves.png{} to {} ({:.0} s)",
+        if seeds.len() > 1 { " (curves of seed 0)" } else { "" },
         args.out.display(),
         started.elapsed().as_secs_f64()
     );

@@ -48,7 +48,12 @@ impl AmpVarMap {
         let values = match state.initial.remove(name) {
             Some(tensor) => initial_values(name, tensor, create.map(|(shape, _)| shape), device)?,
             None => match create {
-                Some((shape, init)) => init.var(shape.clone(), fill_dtype(dtype), device)?,
+                Some((shape, init)) => match self.shared.seed {
+                    Some(seeded) => Var::from_tensor(
+                        &seeded.values(name, shape, init, device)?.to_dtype(fill_dtype(dtype))?,
+                    )?,
+                    None => init.var(shape.clone(), fill_dtype(dtype), device)?,
+                },
                 None => {
                     return Err(conflict(
                         name,

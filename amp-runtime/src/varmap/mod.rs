@@ -34,6 +34,9 @@
 
 mod backend;
 mod entry;
+mod seeded;
+
+pub use seeded::SeededInit;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -63,6 +66,8 @@ pub struct AmpVarMap {
 struct Shared {
     config: AmpConfig,
     keep_fp32: Vec<Arc<KeepFp32>>,
+    /// Draws the model's initializers reproducibly; `None`: candle's unseeded generator.
+    seed: Option<SeededInit>,
     state: Mutex<State>,
 }
 
@@ -82,7 +87,7 @@ impl AmpVarMap {
     /// hands out fp32, like O0.
     pub fn new(config: AmpConfig) -> Self {
         let state = Mutex::new(State::default());
-        AmpVarMap { shared: Arc::new(Shared { config, keep_fp32: Vec::new(), state }) }
+        AmpVarMap { shared: Arc::new(Shared { config, keep_fp32: Vec::new(), seed: None, state }) }
     }
 
     /// The map with initial values: a tensor the model asks for under one of these names starts from
@@ -101,6 +106,19 @@ impl AmpVarMap {
             data.iter().map(|(name, var)| (name.clone(), var.as_tensor().detach())).collect();
         drop(data);
         self.with_initial(tensors)
+    }
+
+    /// The map with reproducible initial weights: a parameter the model initialises (one without an
+    /// initial value) is drawn by [`SeededInit`] from `seed` and its name, under the model's own
+    /// initializer, instead of candle's unseeded generator.
+    ///
+    /// Call it before building the model; a map already shared with a model is refused.
+    pub fn with_seed(mut self, seed: u64) -> Result<Self> {
+        let shared = Arc::get_mut(&mut self.shared).ok_or_else(|| Error::InvalidVarMapUse {
+            reason: "`with_seed` must be called before the map is cloned or handed to a model".into(),
+        })?;
+        shared.seed = Some(SeededInit::new(seed));
+        Ok(self)
     }
 
     /// The map with a rule that keeps matching parameters fp32 (no half copy: the model receives an
