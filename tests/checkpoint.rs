@@ -123,10 +123,22 @@ fn bad_checkpoints_are_refused_whole_with_every_problem_named() -> amp::Result<(
     assert_eq!(masters(&target), before, "nothing was half-applied");
 
     std::fs::write(&path, b"not a safetensors file").map_err(candle_core::Error::wrap)?;
-    let err = amp::checkpoint::load(&mut target, &path).unwrap_err().to_string();
-    assert!(err.contains(path.to_string_lossy().as_ref()), "{err}");
+    let err = amp::checkpoint::load(&mut target, &path).unwrap_err();
+    assert!(matches!(err, amp::Error::CheckpointUnreadable { .. }), "{err:?}");
+    // The parser's finding is both named in the message and kept as the source.
+    let finding = std::error::Error::source(&err).expect("the parser's error as the source").to_string();
+    let err = err.to_string();
+    assert!(err.contains(path.to_string_lossy().as_ref()) && err.contains(&finding), "{err}");
     assert_eq!(masters(&target), before);
-    std::fs::remove_file(path).ok();
+    std::fs::remove_file(&path).ok();
+
+    // A missing file: the operating system's error, kind and all, is the source.
+    let err = amp::checkpoint::load(&mut target, &path).unwrap_err();
+    let Some(io) = std::error::Error::source(&err).and_then(|s| s.downcast_ref::<std::io::Error>()) else {
+        panic!("an io::Error source: {err:?}")
+    };
+    assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
+    assert!(err.to_string().contains("cannot read the file"), "{err}");
     Ok(())
 }
 

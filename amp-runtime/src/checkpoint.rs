@@ -135,7 +135,6 @@ pub fn save_with<M: AmpModule + ?Sized>(
     path: impl AsRef<Path>,
 ) -> Result<()> {
     let path = path.as_ref();
-    let io = |reason: String| Error::CheckpointIo { path: path.to_path_buf(), reason };
     let mut tensors: Vec<(String, Tensor)> = model
         .named_params()
         .into_iter()
@@ -152,8 +151,12 @@ pub fn save_with<M: AmpModule + ?Sized>(
         tensors.extend(saved.tensors.into_iter().map(|(name, t)| (format!("{STATE_PREFIX}{key}/{name}"), t)));
     }
     let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
-        .map_err(|e| io(e.to_string()))?;
-    durable::replace_file(path, &bytes).map_err(|e| io(e.to_string()))
+        .map_err(|source| Error::CheckpointEncode { path: path.to_path_buf(), source })?;
+    durable::replace_file(path, &bytes).map_err(|source| Error::CheckpointIo {
+        path: path.to_path_buf(),
+        action: "write",
+        source,
+    })
 }
 
 /// Loads masters saved by [`save`] (or by candle-nn's `VarMap::save` for the same model) and refreshes
@@ -191,13 +194,20 @@ pub fn load_with_options<M: AmpModule + ?Sized>(
     options: LoadOptions,
 ) -> Result<()> {
     let path = path.as_ref();
-    let io = |reason: String| Error::CheckpointIo { path: path.to_path_buf(), reason };
-    let bytes = std::fs::read(path).map_err(|e| io(e.to_string()))?;
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| io(e.to_string()))?;
+    let unreadable = |source: Box<dyn std::error::Error + Send + Sync>| Error::CheckpointUnreadable {
+        path: path.to_path_buf(),
+        source,
+    };
+    let bytes = std::fs::read(path).map_err(|source| Error::CheckpointIo {
+        path: path.to_path_buf(),
+        action: "read",
+        source,
+    })?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| unreadable(Box::new(e)))?;
     let metadata = header.metadata().clone().unwrap_or_default();
     let device = model.named_params().first().map_or(Device::Cpu, |(_, p)| p.master().device().clone());
     let mut tensors =
-        candle_core::safetensors::load_buffer(&bytes, &device).map_err(|e| io(e.to_string()))?;
+        candle_core::safetensors::load_buffer(&bytes, &device).map_err(|e| unreadable(Box::new(e)))?;
     drop(bytes);
     let saved = take_states(states, &metadata, &mut tensors, path)?;
 
@@ -245,10 +255,7 @@ fn take_states(
     for state in states.iter() {
         let key = state.state_key();
         let Some(json) = metadata.get(&format!("{STATE_PREFIX}{key}")) else {
-            return Err(Error::CheckpointIo {
-                path: path.to_path_buf(),
-                reason: format!("it holds no `{key}` state (was it saved with `save_with`?)"),
-            });
+            return Err(Error::CheckpointMissingState { path: path.to_path_buf(), key });
         };
         let prefix = format!("{STATE_PREFIX}{key}/");
         let names: Vec<String> = tensors.keys().filter(|n| n.starts_with(&prefix)).cloned().collect();

@@ -48,13 +48,47 @@ pub enum Error {
     },
 
     // ---- checkpoints ----
-    /// A checkpoint could not be read or written.
-    #[error("checkpoint {}: {reason}", path.display())]
+    /// A checkpoint file could not be read or written (missing, no permission, disk full).
+    #[error("checkpoint {}: cannot {action} the file: {source}", path.display())]
     CheckpointIo {
         /// The file.
         path: std::path::PathBuf,
-        /// What failed.
-        reason: String,
+        /// `"read"` or `"write"`.
+        action: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A checkpoint is not a readable safetensors file (damaged, truncated, another format); nothing
+    /// was loaded.
+    #[error("checkpoint {} refused, the model is unchanged: not a readable safetensors file: {source}", path.display())]
+    CheckpointUnreadable {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The parser's finding.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The tensors could not be encoded as safetensors; nothing was written.
+    #[error("checkpoint {}: cannot encode the tensors as safetensors, nothing written: {source}", path.display())]
+    CheckpointEncode {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The encoder's error.
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    /// A training state was asked for that the checkpoint does not hold; nothing was loaded.
+    #[error(
+        "checkpoint {} refused, the model is unchanged: it holds no `{key}` state (was it saved with \
+         `save_with` and this state?)",
+        path.display()
+    )]
+    CheckpointMissingState {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The state's key (`"scaler"`, `"optimizer"`).
+        key: String,
     },
     /// A checkpoint does not match the model; nothing was loaded.
     #[error("checkpoint {} refused, the model is unchanged:{problems}", path.display())]
