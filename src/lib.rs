@@ -67,7 +67,9 @@
 // An explicit list: what a user writes. The traversal and the type-level plumbing of the derive
 // (`Cursor`, `Visitor`, `NoFp16Under`, the request types) are in `amp::module`.
 pub use amp_macros::AmpModule;
-pub use amp_runtime::{checkpoint, cuda, dispatch, error, module, nn, ops, optim, scaler, varmap};
+pub use amp_runtime::{
+    checkpoint, cuda, dispatch, distributed, error, module, nn, ops, optim, scaler, varmap,
+};
 pub use amp_runtime::{grads_to_masters, initialize, layer_module, refresh_working_copies};
 pub use amp_runtime::{
     AmpConfig, AmpModule, AmpModuleExt, CastCache, Error, GradScaler, HalfSafe, Layer, LayerPrecision,

@@ -206,6 +206,47 @@ pub enum Error {
         source: serde_json::Error,
     },
 
+    // ---- data-parallel training ----
+    /// An MPI entry point in a build without the `mpi` feature.
+    #[error(
+        "amp was built without MPI: enable the `mpi` feature of `amp` (it needs an MPI library with `mpicc`, \
+         e.g. Debian's libopenmpi-dev and openmpi-bin, and libclang-dev), or train on one process with \
+         `SingleProcess`"
+    )]
+    MpiNotBuilt,
+    /// MPI could not be initialized.
+    #[error("MPI: {reason}")]
+    MpiInit {
+        /// What went wrong, and what to do.
+        reason: String,
+    },
+    /// A collective called with buffers or a root that cannot be valid in this group; nothing was sent.
+    #[error("{collective}: {reason}")]
+    CollectiveShape {
+        /// The collective.
+        collective: &'static str,
+        /// What does not fit, and what would.
+        reason: String,
+    },
+    /// The ranks of a data-parallel group hold different models (parameter names, shapes or counts), so
+    /// their gradients cannot be summed; every rank returns this error, nothing was changed.
+    #[error(
+        "data-parallel ranks hold different models: rank {rank}'s parameters differ from rank 0's ({reason}); \
+         start every rank from the same program, model definition and configuration"
+    )]
+    ReplicasDiffer {
+        /// The lowest rank whose parameters differ from rank 0's.
+        rank: usize,
+        /// What this rank knows of the difference.
+        reason: String,
+    },
+    /// A data-parallel setting out of range.
+    #[error("invalid data-parallel setting: {reason}")]
+    InvalidDataParallelConfig {
+        /// Which setting, and its valid range.
+        reason: String,
+    },
+
     // ---- memory access ----
     /// A kernel needs contiguous memory.
     #[error(

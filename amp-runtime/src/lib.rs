@@ -7,6 +7,7 @@ mod cast_cache;
 pub mod checkpoint;
 pub mod cuda;
 pub mod dispatch;
+pub mod distributed;
 pub mod error;
 mod initialize;
 mod layer;

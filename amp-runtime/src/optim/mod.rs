@@ -48,6 +48,7 @@ use candle_core::backprop::GradStore;
 use candle_core::DType;
 
 use crate::error::Result;
+use crate::scaler::stages::{Findings, OneProcess, StepStages};
 use crate::scaler::{GradScaler, SkipReason, StepReport};
 
 /// A fused optimizer: steps fp32 masters from (possibly scaled, possibly half) gradients in one pass.
@@ -131,9 +132,21 @@ impl GradScaler {
         optimizer: &mut dyn FusedOptimizer,
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport> {
+        self.step_fused_staged(loss, optimizer, max_grad_norm, &mut OneProcess)
+    }
+
+    /// The fused step's protocol, with `stages` called after backward and for the verdict.
+    pub(crate) fn step_fused_staged(
+        &mut self,
+        loss: &candle_core::Tensor,
+        optimizer: &mut dyn FusedOptimizer,
+        max_grad_norm: Option<f32>,
+        stages: &mut dyn StepStages,
+    ) -> Result<StepReport> {
         self.reclaim()?;
         let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
-        if !value.is_finite() {
+        let loss_finite = value.is_finite();
+        if !loss_finite && !stages.collective() {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
         let grads = self.scale_loss(loss)?.backward()?;
@@ -142,6 +155,8 @@ impl GradScaler {
         self.check_gradients_once(params.iter().map(OptimParam::checked), &grads)?;
         let present = driver::with_grads(params, None, &grads);
         let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
+        let path = |index: usize| params[present[index].0].path.clone();
+        let own = stages.reduce(&tensors)?.map(path);
         // One read pass: the global norm when clipping (inf or NaN when any value is), else the check.
         // The parameter to blame is looked up only when a step is skipped.
         let norm = match max_grad_norm {
@@ -152,14 +167,16 @@ impl GradScaler {
             Some(norm) if norm.is_finite() => None,
             _ => crate::passes::find_non_finite(&tensors)?,
         };
-        if let Some(index) = first_bad {
-            let param = params[present[index].0].path.clone();
-            return self.update(Some(SkipReason::GradientOverflow { param }));
-        }
-        if norm.is_some_and(|n| !n.is_finite()) {
+        let reduced = match (first_bad, norm) {
+            (Some(index), _) => Some(path(index)),
             // Every value finite, their norm not: as much an overflow as an infinite element.
-            let param = "(the global gradient norm overflows f32)".to_string();
-            return self.update(Some(SkipReason::GradientOverflow { param }));
+            (None, Some(norm)) if !norm.is_finite() => {
+                Some("(the global gradient norm overflows f32)".to_string())
+            }
+            _ => None,
+        };
+        if let Some(reason) = stages.verdict(Findings { loss_finite, own, reduced })? {
+            return self.update(Some(reason));
         }
         let factor = match (norm, max_grad_norm) {
             (Some(norm), Some(max_norm)) => inv_scale * amp_kernels::clip::clip_coefficient(norm, max_norm),

@@ -22,6 +22,7 @@ mod deferred;
 pub(crate) mod no_grad;
 mod report;
 mod settled;
+pub(crate) mod stages;
 mod state;
 
 pub use config::{AtScaleFloor, ScalerConfig};
@@ -232,7 +233,8 @@ impl GradScaler {
         if self.enabled && ScaleState::must_stop(change, &self.config) {
             let what = match &report.skipped {
                 Some(SkipReason::GradientOverflow { param }) => format!("gradient of `{param}`"),
-                _ => "the loss".to_string(),
+                Some(SkipReason::NonFiniteLoss) | None => "the loss".to_string(),
+                Some(reason) => reason.group_words(),
             };
             return Err(Error::ScaleAtFloor { step: report.step, scale: report.scale_after, what });
         }

@@ -15,6 +15,22 @@ pub enum SkipReason {
     /// The loss itself was inf or NaN before scaling: not a range problem of fp16 but of the model or
     /// the data (a diverged model, a log of 0, a bad batch). The scale still backs off.
     NonFiniteLoss,
+    /// Data-parallel training: the loss was not finite on `rank`, the lowest such rank; every rank of the
+    /// group skipped the step.
+    NonFiniteLossOnRank {
+        /// The lowest rank whose loss was not finite.
+        rank: usize,
+    },
+    /// Data-parallel training: a gradient held inf or NaN; every rank of the group skipped the step.
+    GroupGradientOverflow {
+        /// The lowest rank whose own gradient (before the all-reduce) held inf/NaN; `None` when every
+        /// rank's own gradients were finite and only their reduced sum was not: it overflowed on the
+        /// wire (set a predivide factor, or reduce in fp32).
+        rank: Option<usize>,
+        /// The first parameter (in model order) with the non-finite gradient, as this rank saw it:
+        /// known on `rank` itself (and on every rank for an overflow of the sum), `None` elsewhere.
+        param: Option<String>,
+    },
 }
 
 /// The result of one optimizer step through the scaler.
@@ -35,6 +51,26 @@ pub struct StepReport {
     pub warmup: bool,
 }
 
+impl SkipReason {
+    /// What a data-parallel skip reason says, in words (empty for the others).
+    pub(crate) fn group_words(&self) -> String {
+        match self {
+            SkipReason::NonFiniteLossOnRank { rank } => format!("the loss is not finite on rank {rank}"),
+            SkipReason::GroupGradientOverflow { rank, param } => {
+                let first = param.as_ref().map(|p| format!(", first in `{p}`")).unwrap_or_default();
+                match rank {
+                    Some(rank) => format!("non-finite gradient on rank {rank}{first}"),
+                    None => format!(
+                        "the all-reduced gradient is not finite though every rank's own was{first}: the \
+                         sum overflowed on the wire (set a predivide factor or reduce in fp32)"
+                    ),
+                }
+            }
+            SkipReason::GradientOverflow { .. } | SkipReason::NonFiniteLoss => String::new(),
+        }
+    }
+}
+
 impl StepReport {
     /// True when the optimizer updated the weights. A learning-rate schedule should advance only then.
     pub fn applied(&self) -> bool {
@@ -52,6 +88,7 @@ impl fmt::Display for StepReport {
             Some(SkipReason::NonFiniteLoss) => {
                 write!(f, "step {} skipped: the loss is not finite", self.step)?
             }
+            Some(reason) => write!(f, "step {} skipped on every rank: {}", self.step, reason.group_words())?,
         }
         if self.warmup {
             write!(f, " (warm-up, expected)")?;
@@ -118,6 +155,7 @@ impl SkipLog {
                 let last = match &self.last {
                     Some(SkipReason::GradientOverflow { param }) => format!("last in `{param}`"),
                     Some(SkipReason::NonFiniteLoss) => "last from a non-finite loss".to_string(),
+                    Some(reason) => format!("last: {}", reason.group_words()),
                     None => String::new(),
                 };
                 tracing::warn!(

@@ -64,6 +64,7 @@ impl fmt::Display for Settled {
                 write!(f, " (last: non-finite gradient in `{param}`)")?
             }
             Some(SkipReason::NonFiniteLoss) => write!(f, " (last: the loss was not finite)")?,
+            Some(reason) => write!(f, " (last: {})", reason.group_words())?,
             None => {}
         }
         write!(f, "; scale {} -> {}", self.scale_before, self.scale_after)

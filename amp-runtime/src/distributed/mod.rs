@@ -1,0 +1,29 @@
+//! Data-parallel training: every rank (process) holds the whole model, trains on its own share of each
+//! batch, and steps with gradients averaged over the ranks, so that all ranks stay bit-identical.
+//!
+//! - [`Communicator`]: the collectives (all-reduce, reduce-scatter, all-gather, broadcast, barrier),
+//!   implemented by [`SingleProcess`] (one rank: the identity, for code and tests without a launcher)
+//!   and [`Mpi`] (MPI's world through rsmpi, feature `mpi`; launch with `mpirun -np N`).
+//! - [`Wire`]: the dtype gradients travel in (fp32 by default; bf16 or fp16 halve the bytes, sent as
+//!   16-bit words and summed in f32 with one rounding per combine).
+//! - [`broadcast_masters`], [`all_reduce_gradients`], [`agree_non_finite`]: the building blocks.
+//! - [`DataParallel::step_fused`]: the fused training step with the all-reduce after backward and one
+//!   agreed skip decision, the loss scale moving alike on every rank.
+//!
+//! docs/DISTRIBUTED.md in the repository says how to launch and why the rules are what they are.
+
+mod communicator;
+mod data_parallel;
+#[cfg(feature = "mpi")]
+mod mpi;
+#[cfg(not(feature = "mpi"))]
+#[path = "mpi_disabled.rs"]
+mod mpi;
+mod step;
+mod wire;
+
+pub use communicator::{Collective, Communicator, SingleProcess, Traffic, TrafficReport};
+pub use data_parallel::{agree_non_finite, all_reduce_gradients, broadcast_masters, DataParallelConfig};
+pub use mpi::Mpi;
+pub use step::DataParallel;
+pub use wire::{sum_half_words, HalfWire, Wire};

@@ -1,0 +1,58 @@
+//! What a step does between the fixed stages of its protocol: nothing on one process; on the ranks of a
+//! data-parallel group, the gradient all-reduce after backward and one agreed verdict.
+//!
+//! [`GradScaler::step_fused`](super::GradScaler::step_fused) runs the protocol with [`OneProcess`];
+//! [`DataParallel::step_fused`](crate::distributed::DataParallel::step_fused) runs the same protocol
+//! with its own stages, so there is one implementation of the step, not one per setting.
+
+use candle_core::Tensor;
+
+use super::SkipReason;
+use crate::error::Result;
+
+/// What this rank found during a step, for the verdict.
+#[derive(Debug)]
+pub(crate) struct Findings {
+    /// The loss was finite here.
+    pub loss_finite: bool,
+    /// The first parameter whose gradient held inf/NaN here before any reduction (data-parallel only).
+    pub own: Option<String>,
+    /// The first parameter whose gradient, as the optimizer would read it, holds inf/NaN (or a note
+    /// that the global norm overflows).
+    pub reduced: Option<String>,
+}
+
+/// The stages a step protocol calls.
+pub(crate) trait StepStages {
+    /// True when a rank must not leave the protocol on its own (its peers wait for its gradients), so a
+    /// non-finite loss still runs backward and goes to [`verdict`](Self::verdict).
+    fn collective(&self) -> bool;
+
+    /// Called with the gradients after backward, before they are checked: returns the index of the
+    /// first one holding inf/NaN as computed here (if this stage looks), then reduces them in place.
+    fn reduce(&mut self, grads: &[&Tensor]) -> Result<Option<usize>>;
+
+    /// The skip reason every rank takes, from this rank's findings (`None`: apply the step).
+    fn verdict(&mut self, findings: Findings) -> Result<Option<SkipReason>>;
+}
+
+/// One process alone: no reduction, its own verdict.
+#[derive(Debug)]
+pub(crate) struct OneProcess;
+
+impl StepStages for OneProcess {
+    fn collective(&self) -> bool {
+        false
+    }
+
+    fn reduce(&mut self, _: &[&Tensor]) -> Result<Option<usize>> {
+        Ok(None)
+    }
+
+    fn verdict(&mut self, findings: Findings) -> Result<Option<SkipReason>> {
+        if !findings.loss_finite {
+            return Ok(Some(SkipReason::NonFiniteLoss));
+        }
+        Ok(findings.reduced.map(|param| SkipReason::GradientOverflow { param }))
+    }
+}

@@ -1,0 +1,316 @@
+//! Data-parallel training over real MPI processes. Each test, run by cargo, launches
+//! `mpirun -np N` on itself (`mpi_launch`), bounded by a timeout, and checks that every rank finished;
+//! under mpirun each process does one rank's work and asserts on it. Needs the `mpi` feature and
+//! Open MPI's `mpirun` (.ci/run installs it).
+
+mod common;
+mod mpi_launch;
+mod reliability;
+
+use std::time::Duration;
+
+use amp::distributed::{
+    agree_non_finite, all_reduce_gradients, Communicator, DataParallel, DataParallelConfig, Mpi, Wire,
+};
+use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
+use amp::scaler::{ScalerConfig, SkipReason};
+use amp::{AmpModuleExt, GradScaler};
+use candle_core::{DType, Device, Tensor};
+use half::{bf16, f16};
+use mpi_launch::{on_ranks, Outcome};
+use reliability::fp16_net;
+
+/// Unit roundoff of f32, bf16, fp16.
+const U32: f64 = 1.0 / (1u64 << 24) as f64;
+const U_BF16: f64 = 1.0 / 256.0;
+const U_F16: f64 = 1.0 / 2048.0;
+
+/// Value `i` of rank `rank`: uniform mantissa in [-1, 1) times 2^k, k in -8..8, so sums mix magnitudes
+/// and cancel. The same on every process (splitmix64).
+fn value(rank: usize, i: usize) -> f32 {
+    let mut z = ((rank as u64) << 32) ^ (i as u64) ^ 0x9e37_79b9_7f4a_7c15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    let mantissa = (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+    mantissa * 2f32.powi((z % 16) as i32 - 8)
+}
+
+fn values(rank: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| value(rank, i)).collect()
+}
+
+/// `(1 + u)^k - 1`: the relative bound of k roundings with unit roundoff u.
+fn gamma(k: usize, u: f64) -> f64 {
+    (1.0 + u).powi(k as i32) - 1.0
+}
+
+#[test]
+fn f32_collectives_on_an_odd_world_match_the_f64_reference() -> Outcome {
+    on_ranks("f32_collectives_on_an_odd_world_match_the_f64_reference", 3, |comm| {
+        let (rank, world, n) = (comm.rank(), comm.world_size(), 4099);
+        assert_eq!(world, 3);
+        let mut sum = values(rank, n);
+        comm.all_reduce_sum(&mut sum, Wire::F32)?;
+        // Any order of the world's f32 additions: world - 1 roundings, so
+        // |computed - exact| <= gamma(world - 1, u32) * sum |x| (the f64 reference is exact here: three
+        // f32 values within 2^16 of each other's scale fit in 53 bits).
+        for (i, &got) in sum.iter().enumerate() {
+            let terms: Vec<f64> = (0..world).map(|r| f64::from(value(r, i))).collect();
+            let exact: f64 = terms.iter().sum();
+            let bound = gamma(world - 1, U32) * terms.iter().map(|t| t.abs()).sum::<f64>();
+            assert!((f64::from(got) - exact).abs() <= bound, "rank {rank}, value {i}: {got} vs {exact}");
+        }
+        // Every rank holds the same bits: gather everyone's result.
+        let mut all = vec![0.0; world * n];
+        comm.all_gather(&sum, &mut all)?;
+        for block in all.chunks(n) {
+            assert!(
+                block.iter().zip(&sum).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rank {rank}: sums differ"
+            );
+        }
+        // Reduce-scatter: this rank's block of the world's sum of `world * n` values, within the same bound.
+        let whole: Vec<f32> = (0..world * n).map(|i| value(rank, i)).collect();
+        let mut block = vec![0.0; n];
+        comm.reduce_scatter_sum(&whole, &mut block, Wire::F32)?;
+        for (k, &got) in block.iter().enumerate() {
+            let i = rank * n + k;
+            let terms: Vec<f64> = (0..world).map(|r| f64::from(value(r, i))).collect();
+            let bound = gamma(world - 1, U32) * terms.iter().map(|t| t.abs()).sum::<f64>();
+            assert!((f64::from(got) - terms.iter().sum::<f64>()).abs() <= bound, "reduce-scatter, value {i}");
+        }
+        // All-gather and broadcast move values exactly.
+        let mut gathered = vec![0.0; world * n];
+        comm.all_gather(&values(rank, n), &mut gathered)?;
+        for (r, block) in gathered.chunks(n).enumerate() {
+            assert!(block.iter().zip(values(r, n)).all(|(a, b)| a.to_bits() == b.to_bits()), "block {r}");
+        }
+        let mut from_two = values(rank, n);
+        comm.broadcast(&mut from_two, 2)?;
+        assert!(from_two.iter().zip(values(2, n)).all(|(a, b)| a.to_bits() == b.to_bits()));
+        let max = comm.all_reduce_max_f32(if rank == 1 { 7.5 } else { -1.0 })?;
+        assert_eq!(max, 7.5);
+        Ok(())
+    })
+}
+
+#[test]
+fn sixteen_bit_wires_stay_within_their_derived_bound_and_move_half_the_bytes() -> Outcome {
+    let test = "sixteen_bit_wires_stay_within_their_derived_bound_and_move_half_the_bytes";
+    on_ranks(test, 2, |comm| {
+        let (rank, world, n) = (comm.rank(), comm.world_size(), 1000);
+        let before = comm.traffic().all_reduce;
+        let mut fp32 = values(rank, n);
+        comm.all_reduce_sum(&mut fp32, Wire::F32)?;
+        let fp32_bytes = comm.traffic().all_reduce - before;
+        let mut wire16 = values(rank, n);
+        comm.all_reduce_sum(&mut wire16, Wire::Bf16)?;
+        let bf16_bytes = comm.traffic().all_reduce - before - fp32_bytes;
+        assert_eq!((fp32_bytes, bf16_bytes), (4 * n as u64, 2 * n as u64), "payload bytes, fp32 then bf16");
+        // bf16 wire: each of the `world` inputs rounded to bf16 once, each of the world - 1 combines adds in
+        // f32 (one f32 rounding at most) and rounds to bf16 once, so
+        //   |bf16 result - exact| <= ((1 + u_bf16)^world (1 + u32)^(world - 1) - 1) * sum |x|;
+        // the fp32 wire is within gamma(world - 1, u32) * sum |x| of the exact sum: the two are within the
+        // sum of both bounds of each other.
+        let mut differ = 0;
+        for i in 0..n {
+            let abs_sum: f64 = (0..world).map(|r| f64::from(value(r, i)).abs()).sum();
+            let bf16_bound = (1.0 + U_BF16).powi(world as i32) * (1.0 + U32).powi(world as i32 - 1) - 1.0;
+            let bound = (bf16_bound + gamma(world - 1, U32)) * abs_sum;
+            let (a, b) = (f64::from(wire16[i]), f64::from(fp32[i]));
+            assert!((a - b).abs() <= bound, "value {i}: bf16 wire {a}, fp32 wire {b}, bound {bound}");
+            assert_eq!(bf16::from_f32(wire16[i]).to_f32(), wire16[i], "value {i} did not travel as bf16");
+            differ += usize::from(a != b);
+        }
+        assert!(differ > n / 2, "only {differ} of {n} values changed: the bf16 wire did not round");
+
+        // fp16 wire: two gradients of 60000 sum past fp16's 65504 on the wire unless pre-divided.
+        let grad = || Tensor::from_vec(vec![f16::from_f32(60000.0); 4], 4, &Device::Cpu);
+        let (plain, predivided) = (grad()?, grad()?);
+        let fp16 = DataParallelConfig { wire: Wire::F16, ..Default::default() };
+        all_reduce_gradients(comm, &[&plain], &fp16)?;
+        all_reduce_gradients(comm, &[&predivided], &DataParallelConfig { predivide_factor: 2.0, ..fp16 })?;
+        let read = |t: &Tensor| t.to_dtype(DType::F32)?.to_vec1::<f32>();
+        assert!(read(&plain)?.iter().all(|v| v.is_infinite()), "the fp16 sum overflowed on the wire");
+        assert_eq!(read(&predivided)?, vec![60000.0; 4], "pre-divided by 2: 30000 + 30000, then times 2/2");
+        Ok(())
+    })
+}
+
+#[test]
+fn a_non_finite_value_on_rank_1_only_is_named_on_every_rank() -> Outcome {
+    on_ranks("a_non_finite_value_on_rank_1_only_is_named_on_every_rank", 3, |comm| {
+        let rank = comm.rank();
+        assert_eq!(agree_non_finite(comm, rank == 1)?, Some(1), "rank {rank}");
+        assert_eq!(agree_non_finite(comm, false)?, None, "rank {rank}");
+        assert_eq!(agree_non_finite(comm, rank >= 1)?, Some(1), "the lowest of ranks 1 and 2");
+        let max = comm.all_reduce_max_f32(if rank == 1 { f32::NAN } else { f32::INFINITY })?;
+        assert!(max.is_nan(), "rank {rank}: a NaN on one rank wins the max on every rank");
+        Ok(())
+    })
+}
+
+/// Snapshot of a rank's model, optimizer and scaler, and its checksum as rank 0 holds it.
+fn checksums(comm: &Mpi, state: &[(String, Vec<u32>)]) -> amp::Result<(u64, u64)> {
+    let mine = reliability::checksum(state);
+    let mut bytes = mine.to_le_bytes();
+    comm.broadcast_bytes(&mut bytes, 0)?;
+    Ok((mine, u64::from_le_bytes(bytes)))
+}
+
+#[test]
+fn broadcast_masters_makes_every_rank_bit_identical() -> Outcome {
+    on_ranks("broadcast_masters_makes_every_rank_bit_identical", 2, |comm| {
+        let rank = comm.rank();
+        let net = fp16_net(6, 24, 3, 10 + rank as u64)?;
+        let (mine, root) = checksums(comm, &reliability::snapshot(&net, &[])?)?;
+        assert_eq!(mine == root, rank == 0, "the ranks start from different weights");
+        let dp = DataParallel::new(comm, DataParallelConfig::default())?;
+        dp.broadcast_masters(&net)?;
+        // Masters and working copies equal, bit for bit, to rank 0's seed-10 model built here.
+        let expected = reliability::snapshot(&fp16_net(6, 24, 3, 10)?, &[])?;
+        assert_eq!(reliability::snapshot(&net, &[])?, expected, "rank {rank}");
+        // A rank with another model: every rank gets the error, naming rank 1.
+        let other = fp16_net(6, if rank == 1 { 25 } else { 24 }, 3, 10)?;
+        match dp.broadcast_masters(&other) {
+            Err(amp::Error::ReplicasDiffer { rank: 1, .. }) => {}
+            other => panic!("rank {rank}: expected ReplicasDiffer naming rank 1, got {other:?}"),
+        }
+        Ok(())
+    })
+}
+
+/// The gradients of `net`'s trainable parameters for the mean squared error on rows `rows` of the
+/// 16-row batch, in model order.
+fn gradients(net: &reliability::Net, rows: std::ops::Range<usize>) -> amp::Result<Vec<Tensor>> {
+    let (x, y) = reliability::batch(7, 16, 6, 3)?;
+    let (x, y) = (x.narrow(0, rows.start, rows.len())?, y.narrow(0, rows.start, rows.len())?);
+    let grads = reliability::mse(net, &x, &y)?.backward()?;
+    net.named_params()
+        .iter()
+        .map(|(path, p)| {
+            grads
+                .get(p.trainable().as_tensor())
+                .cloned()
+                .ok_or_else(|| amp::Error::Internal { what: format!("no gradient for {path}") })
+        })
+        .collect()
+}
+
+fn f32s(t: &Tensor) -> amp::Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+#[test]
+fn two_ranks_with_batch_b_average_to_one_rank_with_batch_2b() -> Outcome {
+    on_ranks("two_ranks_with_batch_b_average_to_one_rank_with_batch_2b", 2, |comm| {
+        let rank = comm.rank();
+        let net = fp16_net(6, 24, 3, 3)?; // fp16 O2: the gradients are fp16, as they travel in training
+        let halves = [gradients(&net, 0..8)?, gradients(&net, 8..16)?];
+        let full = gradients(&net, 0..16)?;
+        let mine = gradients(&net, rank * 8..rank * 8 + 8)?;
+        // A small bucket, so that tensors span buckets and buckets span tensors.
+        let config = DataParallelConfig { bucket_bytes: 4 * 50, ..Default::default() };
+        all_reduce_gradients(comm, &mine.iter().collect::<Vec<_>>(), &config)?;
+        for (k, averaged) in mine.iter().enumerate() {
+            let (avg, g0, g1, g) =
+                (f32s(averaged)?, f32s(&halves[0][k])?, f32s(&halves[1][k])?, f32s(&full[k])?);
+            let largest = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for i in 0..avg.len() {
+                // Exactly what averaging the two ranks' fp16 gradients in f32 and rounding once gives.
+                let want = f16::from_f32((g0[i] + g1[i]) * 0.5).to_f32();
+                assert_eq!(avg[i].to_bits(), want.to_bits(), "rank {rank}, tensor {k}, value {i}");
+                // Against one rank with the whole batch: the exact gradients satisfy e = (e0 + e1) / 2;
+                // each fp16 gradient is its exact value rounded once (u16 relative, 2^-25 absolute in the
+                // subnormals), the average is rounded once more, and the f32 sums of the forward and
+                // backward passes differ in order (64 u32 of the tensor's largest gradient covers 16-row
+                // and 24-wide sums with room).
+                let (a, b) = (f64::from(avg[i]), f64::from(g[i]));
+                let bound = 1.01
+                    * U_F16
+                    * (a.abs() + b.abs() + (f64::from(g0[i]).abs() + f64::from(g1[i]).abs()) / 2.0)
+                    + 3.0 * 2f64.powi(-25)
+                    + 64.0 * U32 * f64::from(largest);
+                assert!((a - b).abs() <= bound, "tensor {k}, value {i}: 2 x 8 rows {a}, 16 rows {b}");
+            }
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn data_parallel_steps_agree_on_every_skip_and_keep_replicas_identical() -> Outcome {
+    let test = "data_parallel_steps_agree_on_every_skip_and_keep_replicas_identical";
+    on_ranks(test, 3, |comm| {
+        let rank = comm.rank();
+        let net = fp16_net(6, 24, 3, 20 + rank as u64)?;
+        let mut dp = DataParallel::new(comm, DataParallelConfig { wire: Wire::Bf16, ..Default::default() })?;
+        dp.broadcast_masters(&net)?;
+        let mut adam = FusedAdamW::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+        let mut scaler = GradScaler::new(ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+        for step in 0..8u64 {
+            // Each rank its own rows. Step 3: rank 1's loss times 1e30, finite in f32, its fp16 gradient
+            // not. Step 5: rank 2's loss NaN.
+            let (x, y) = reliability::batch(step * 3 + rank as u64, 8, 6, 3)?;
+            let mut loss = reliability::mse(&net, &x, &y)?;
+            if step == 3 && rank == 1 {
+                loss = (loss * 1e30)?;
+            }
+            if step == 5 && rank == 2 {
+                loss = (loss * f64::NAN)?;
+            }
+            let before = reliability::snapshot(&net, &[])?;
+            let report = dp.step_fused(&mut scaler, &loss, &mut adam, Some(1.0))?;
+            let expected = match step {
+                3 => Some(SkipReason::GroupGradientOverflow {
+                    rank: Some(1),
+                    param: (rank == 1).then(|| "hidden.weight".to_string()),
+                }),
+                5 => Some(SkipReason::NonFiniteLossOnRank { rank: 2 }),
+                _ => None,
+            };
+            assert_eq!(report.skipped, expected, "rank {rank}, step {step}: {report}");
+            if expected.is_some() {
+                assert_eq!(
+                    reliability::snapshot(&net, &[])?,
+                    before,
+                    "rank {rank}: a skipped step changed weights"
+                );
+            }
+        }
+        assert_eq!((scaler.state().applied, scaler.state().skipped), (6, 2));
+        let state = reliability::snapshot(&net, &[&adam, &scaler])?;
+        let (mine, root) = checksums(comm, &state)?;
+        assert_eq!(
+            mine, root,
+            "rank {rank}: masters, working copies, optimizer and scaler differ from rank 0's"
+        );
+        Ok(())
+    })
+}
+
+#[test]
+fn a_rank_that_exits_mid_collective_ends_the_job_within_a_bounded_time() -> Outcome {
+    let test = "a_rank_that_exits_mid_collective_ends_the_job_within_a_bounded_time";
+    if !mpi_launch::is_rank() {
+        let job = mpi_launch::launch(test, 2)?;
+        let status = job.status.unwrap_or_else(|| panic!("mpirun hung; killed:\n{}", job.output));
+        assert!(!status.success(), "the job succeeded though a rank exited:\n{}", job.output);
+        assert!(job.elapsed < Duration::from_secs(30), "the job took {:.1?} to end", job.elapsed);
+        assert!(job.output.contains("rank 0 waits in an all-reduce"), "{}", job.output);
+        assert!(!job.output.contains("all-reduce returned"), "{}", job.output);
+        println!("`{test}`: mpirun ended the job in {:.2?} with {status}", job.elapsed);
+        return Ok(());
+    }
+    let comm = Mpi::init()?;
+    comm.barrier()?;
+    if comm.rank() == 1 {
+        std::process::exit(3);
+    }
+    println!("rank 0 waits in an all-reduce");
+    let mut values = vec![1.0; 1024];
+    comm.all_reduce_sum(&mut values, Wire::F32)?;
+    println!("all-reduce returned without rank 1");
+    Ok(())
+}
