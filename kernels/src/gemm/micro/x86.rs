@@ -105,16 +105,9 @@ unsafe fn fma_6x16(steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc:
 
 #[target_feature(enable = "avx512f")]
 unsafe fn fma_6x64(steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
-    let mut acc = [[_mm512_setzero_ps(); 4]; 6];
     // SAFETY (whole body): pointers valid as `Micro::tile` requires.
     unsafe {
-        if load {
-            for (r, row) in acc.iter_mut().enumerate() {
-                for (j, x) in row.iter_mut().enumerate() {
-                    *x = _mm512_loadu_ps(c.add(r * ldc + 16 * j));
-                }
-            }
-        }
+        let mut acc = zmm_tile(c, ldc, load);
         for s in 0..steps {
             let (a, b) = (a.add(s * 6), b.add(s * 64));
             let bv: [__m512; 4] = [
@@ -130,27 +123,16 @@ unsafe fn fma_6x64(steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc:
                 }
             }
         }
-        for (r, row) in acc.iter().enumerate() {
-            for (j, &x) in row.iter().enumerate() {
-                _mm512_storeu_ps(c.add(r * ldc + 16 * j), x);
-            }
-        }
+        store_zmm_tile(&acc, c, ldc);
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn dot_6x64(steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
-    let mut acc = [[_mm512_setzero_ps(); 4]; 6];
     // SAFETY (whole body): pointers valid as `Micro::tile` requires. A zmm of 16 u32 is a zmm of 32 bf16
     // (element 2i in the low half of dword i): the transmutes only retype registers.
     unsafe {
-        if load {
-            for (r, row) in acc.iter_mut().enumerate() {
-                for (j, x) in row.iter_mut().enumerate() {
-                    *x = _mm512_loadu_ps(c.add(r * ldc + 16 * j));
-                }
-            }
-        }
+        let mut acc = zmm_tile(c, ldc, load);
         for s in 0..steps {
             let (a, b) = (a.add(s * 6), b.add(s * 64));
             let bv: [__m512bh; 4] = std::mem::transmute([
@@ -166,10 +148,41 @@ unsafe fn dot_6x64(steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc:
                 }
             }
         }
-        for (r, row) in acc.iter().enumerate() {
-            for (j, &x) in row.iter().enumerate() {
-                _mm512_storeu_ps(c.add(r * ldc + 16 * j), x);
+        store_zmm_tile(&acc, c, ldc);
+    }
+}
+
+/// The 6 x 64 f32 tile of C at `c` (row stride `ldc`) in 24 zmm accumulators: loaded when `load`, else
+/// zeros.
+///
+/// # Safety
+/// With `load`, `c` must be valid for reads of 6 rows of 64 values `ldc` apart.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn zmm_tile(c: *const f32, ldc: usize, load: bool) -> [[__m512; 4]; 6] {
+    let mut acc = [[_mm512_setzero_ps(); 4]; 6];
+    if load {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (j, x) in row.iter_mut().enumerate() {
+                // SAFETY: in bounds as the caller guarantees.
+                *x = unsafe { _mm512_loadu_ps(c.add(r * ldc + 16 * j)) };
             }
+        }
+    }
+    acc
+}
+
+/// Stores 24 zmm accumulators into the 6 x 64 f32 tile of C at `c` (row stride `ldc`).
+///
+/// # Safety
+/// `c` must be valid for writes of 6 rows of 64 values `ldc` apart.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_zmm_tile(acc: &[[__m512; 4]; 6], c: *mut f32, ldc: usize) {
+    for (r, row) in acc.iter().enumerate() {
+        for (j, &x) in row.iter().enumerate() {
+            // SAFETY: in bounds as the caller guarantees.
+            unsafe { _mm512_storeu_ps(c.add(r * ldc + 16 * j), x) };
         }
     }
 }
