@@ -357,7 +357,8 @@ fn adam_update_bound(t: u64) -> f64 {
 /// 32-wide layer sums), which `64 u32` of the tensor's largest gradient covers. Not averaging (the sum
 /// instead of the mean) is off by `|g|`, far outside it.
 ///
-/// **Over 50 steps**: both runs skip the same steps and hold the same loss scale at every step (fp16), and
+/// **Over 50 steps**: both runs skip the same steps (fp16: an overflow injected at step 20) and hold the
+/// same loss scale at every step, and
 /// the final masters differ by at most the sum, over applied steps, of what the two updates can differ by:
 /// AdamW `2 lr sqrt(S_t)` per step ([`adam_update_bound`]; decoupled decay only shrinks a difference),
 /// LAMB `lr (||w_dp|| + ||w_ref||)` of the tensor (its trust ratio makes `|update_i| <= lr ||w||`), plus
@@ -427,19 +428,23 @@ fn train_both_ways(comm: &Mpi, half: Precision, kind: Kind) -> Outcome {
                 worst = worst.max((a - b).abs() / bound);
             }
         }
-        // The steps: data parallel on this rank's rows, the reference on all of them.
+        // The steps: data parallel on this rank's rows, the reference on all of them. fp16, step 20:
+        // rank 1's loss and the reference's times 1e30, their fp16 gradients overflow: both skip.
+        let overflow = half == Precision::Fp16 && step == 20;
+        let factor = |on: bool| if on { 1e30 } else { 1.0 };
         let (before, ref_before) = (masters(&net)?, masters(&reference)?);
         let report = dp.step_fused(
             &mut scaler,
-            &mpi_training::loss(&net, step, rank * 8..rank * 8 + 8)?,
+            &(mpi_training::loss(&net, step, rank * 8..rank * 8 + 8)? * factor(overflow && rank == 1))?,
             optimizer.fused(),
             None,
         )?;
         let ref_report = ref_scaler.step_fused(
-            &mpi_training::loss(&reference, step, 0..16)?,
+            &(mpi_training::loss(&reference, step, 0..16)? * factor(overflow))?,
             ref_optimizer.fused(),
             None,
         )?;
+        assert_eq!(report.applied(), !overflow, "{what}, step {step}: {report}");
         assert_eq!(report.applied(), ref_report.applied(), "{what}, step {step}: {report} vs {ref_report}");
         assert_eq!(scaler.scale(), ref_scaler.scale(), "{what}, step {step}: loss scales differ");
         if !report.applied() {
