@@ -1,36 +1,6 @@
-//! ZeRO stage 1: the optimizer state sharded across the ranks of a data-parallel group.
-//!
-//! Plain data parallelism ([`DataParallel`](super::DataParallel)) keeps the whole optimizer state on
-//! every rank: Adam's two fp32 moments are 8 bytes per parameter, twice the fp32 masters. [`Zero1`]
-//! gives each parameter tensor to one rank (its *owner*) and builds each rank's fused optimizer over
-//! the tensors it owns only, so each rank holds about `1 / world_size` of the state. A step:
-//!
-//! 1. backward on this rank's share of the batch, this rank's own gradients checked for inf/NaN;
-//! 2. **reduce-scatter**: the gradients, packed rank by rank (each rank's tensors in model order,
-//!    padded to the longest rank's length), are summed over the ranks in buckets; each rank receives
-//!    the averaged gradient of the tensors it owns, written back into them in their dtype;
-//! 3. each rank checks its own shard of the reduced gradients (and, when clipping, its part of the
-//!    squared global norm is summed over the ranks), then the one-word MAX agreement of
-//!    [`DataParallel`](super::DataParallel): every rank skips or applies together;
-//! 4. each rank's fused optimizer (the same [`FusedAdam`](crate::optim::FusedAdam) or
-//!    [`FusedLamb`](crate::optim::FusedLamb), over its tensors) steps its masters and refreshes their
-//!    working copies;
-//! 5. **all-gather**: every rank's updated fp32 masters go to every rank, which refreshes the half
-//!    working copies of the tensors it does not own from them (the same rounding the fused kernel
-//!    does), so every rank ends the step holding the whole updated model.
-//!
-//! Sharding is by whole tensors: LAMB's trust ratio needs each tensor's norms, which its owner
-//! computes alone, with no extra collective. The partition is the longest-processing-time rule: the
-//! tensors, largest first, each to the rank holding the fewest elements so far; so the largest
-//! rank's share is at most `total / world_size + largest tensor`.
-//!
-//! The fp32 masters stay on every rank (amp's [`Param`](crate::Param) owns its master); what is
-//! sharded is the optimizer's state. With an fp32 wire and two ranks the averaged gradient is the
-//! same sum as [`DataParallel`](super::DataParallel)'s all-reduce (one addition, commutative) and the
-//! update is elementwise, so the two train bit-identically; with more ranks the transport may add the
-//! ranks' values in another order (within `gamma(world - 1)` of each other per value). With clipping,
-//! the global norm is the square root of the ranks' squared shard norms summed in f32, a few units in
-//! the last place from one pass over every tensor.
+//! ZeRO stage 1 ([`Zero1`]): the optimizer state sharded across the ranks of a data-parallel group.
+//! The partition, the packed reduce-scatter and the all-gather of the masters; the checkpoint side is in
+//! `zero_checkpoint.rs`.
 
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
@@ -51,7 +21,44 @@ use crate::AmpModule;
 
 /// ZeRO stage 1 over a [`Communicator`]: each rank owns some parameter tensors, holds the optimizer
 /// state of those only, receives their averaged gradients by a reduce-scatter, steps them, and
-/// all-gathers the updated masters. The module docs give the step; docs/DISTRIBUTED.md the rules.
+/// all-gathers the updated masters. docs/DISTRIBUTED.md in the repository gives the measurements.
+///
+/// Plain data parallelism ([`DataParallel`](super::DataParallel)) keeps the whole optimizer state on
+/// every rank: Adam's two fp32 moments are 8 bytes per parameter, twice the fp32 masters. [`Zero1`]
+/// gives each parameter tensor to one rank (its *owner*) and builds each rank's fused optimizer over
+/// the tensors it owns only, so each rank holds about `1 / world_size` of the state. A step:
+///
+/// 1. backward on this rank's share of the batch, this rank's own gradients checked for inf/NaN;
+/// 2. **reduce-scatter**: the gradients, packed rank by rank (each rank's tensors in model order,
+///    padded to the longest rank's length), are summed over the ranks in buckets; each rank receives
+///    the averaged gradient of the tensors it owns, written back into them in their dtype;
+/// 3. each rank checks its own shard of the reduced gradients (and, when clipping, its part of the
+///    squared global norm is summed over the ranks), then the one-word MAX agreement of
+///    [`DataParallel`](super::DataParallel): every rank skips or applies together;
+/// 4. each rank's fused optimizer (the same [`FusedAdam`](crate::optim::FusedAdam) or
+///    [`FusedLamb`](crate::optim::FusedLamb), over its tensors) steps its masters and refreshes their
+///    working copies;
+/// 5. **all-gather**: every rank's updated fp32 masters go to every rank, which refreshes the half
+///    working copies of the tensors it does not own from them (the same rounding the fused kernel
+///    does), so every rank ends the step holding the whole updated model.
+///
+/// Sharding is by whole tensors: LAMB's trust ratio needs each tensor's norms, which its owner
+/// computes alone, with no extra collective. The partition is the longest-processing-time rule: the
+/// tensors, largest first, each to the rank holding the fewest elements so far; so the largest
+/// rank's share is at most `total / world_size + largest tensor`.
+///
+/// The fp32 masters stay on every rank (amp's [`Param`](crate::Param) owns its master); what is
+/// sharded is the optimizer's state. With an fp32 wire and two ranks the averaged gradient is the
+/// same sum as [`DataParallel`](super::DataParallel)'s all-reduce (one addition, commutative) and the
+/// update is elementwise, so the two train bit-identically; with more ranks the transport may add the
+/// ranks' values in another order (within `gamma(world - 1)` of each other per value). With clipping,
+/// the global norm is the square root of the ranks' squared shard norms summed in f32, a few units in
+/// the last place from one pass over every tensor.
+///
+/// Checkpoints: [`save_checkpoint`](Self::save_checkpoint) gathers the optimizer state into one file in
+/// [`crate::checkpoint`]'s format, as an unsharded optimizer would save it, which
+/// [`load_checkpoint`](Self::load_checkpoint) loads on any number of ranks (and `checkpoint::load_with`
+/// into a plain optimizer on one process).
 ///
 /// ```
 /// use amp_runtime::distributed::{DataParallelConfig, SingleProcess, Zero1};
@@ -187,7 +194,7 @@ impl<'c> Zero1<'c> {
         broadcast_masters(self.comm, model)
     }
 
-    /// One ZeRO-1 step ([module docs](self)): [`GradScaler::step_fused`]'s protocol with the gradients
+    /// One ZeRO-1 step (the steps are in [`Zero1`]'s docs): [`GradScaler::step_fused`]'s protocol with the gradients
     /// reduce-scattered, one agreed verdict, this rank's shard stepped by `optimizer` (built from
     /// [`local_groups`](Self::local_groups)) and the updated masters all-gathered. Every rank must call
     /// it with its own share of the batch. Afterwards the gradients of the tensors this rank does not
