@@ -197,8 +197,9 @@ impl<'c> Zero1<'c> {
     /// One ZeRO-1 step (the steps are in [`Zero1`]'s docs): [`GradScaler::step_fused`]'s protocol with the gradients
     /// reduce-scattered, one agreed verdict, this rank's shard stepped by `optimizer` (built from
     /// [`local_groups`](Self::local_groups)) and the updated masters all-gathered. Every rank must call
-    /// it with its own share of the batch. Afterwards the gradients of the tensors this rank does not
-    /// own hold this rank's own (unreduced) values.
+    /// it with its own share of the batch; gradients live on the CPU (a CUDA transport is a later
+    /// slice). Afterwards the gradients of the tensors this rank does not own hold this rank's own
+    /// (unreduced) values.
     ///
     /// # Errors
     /// [`Error::ZeroShard`] when `optimizer` does not hold exactly this rank's tensors (checked before
@@ -227,7 +228,7 @@ impl<'c> Zero1<'c> {
         }
         Err(Error::ZeroShard {
             reason: format!(
-                "the optimizer on rank {} holds {} parameter(s), not the {} this rank owns: build it from \
+                "the optimizer on rank {} holds {} parameter(s), not exactly the {} this rank owns: build it from \
                  `Zero1::local_groups()` on every rank",
                 self.comm.rank(),
                 theirs.len(),
@@ -368,8 +369,9 @@ impl<'c> Zero1<'c> {
     }
 }
 
+/// A master that is not f32: `ParamGroups` refuses such parameters, so this is a broken invariant.
 fn no_master(path: &str) -> Error {
-    Error::NoFp32Master { path: path.to_string(), precision: crate::Precision::Bf16 }
+    Error::Internal { what: format!("the master of `{path}` is not an f32 tensor") }
 }
 
 /// `out = slice[from] * before`, widened to f32.
