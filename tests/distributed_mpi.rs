@@ -19,7 +19,7 @@ use amp::{AmpModuleExt, GradScaler, Precision};
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use mpi_launch::{on_ranks, Outcome};
-use mpi_training::{masters, mlp, Kind, Optimizer};
+use mpi_training::{lockstep, masters, mlp, Kind, Optimizer};
 use reliability::fp16_net;
 
 /// Unit roundoff of f32, bf16, fp16.
@@ -378,72 +378,96 @@ fn two_ranks_with_batch_b_train_to_the_masters_of_one_rank_with_batch_2b_over_50
     })
 }
 
-fn train_both_ways(comm: &Mpi, half: Precision, kind: Kind) -> Outcome {
-    let (rank, what) = (comm.rank(), format!("{half:?} {kind:?}"));
+/// The per-step gradient check (see the test): returns the averaged and the whole batch's gradients,
+/// scaled, per tensor, and the largest fraction of its bound any value used.
+fn check_gradients(
+    comm: &Mpi,
+    net: &Vec<amp::nn::Linear>,
+    half: Precision,
+    step: u64,
+    scale: f64,
+) -> amp::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>, f64)> {
+    let rank = comm.rank();
     let (u_h, s_h) = match half {
         Precision::Fp16 => (U_F16, 2f64.powi(-25)),
         _ => (U_BF16, 2f64.powi(-134)),
     };
+    let scaled = |rows: std::ops::Range<usize>| -> amp::Result<Tensor> {
+        Ok((mpi_training::loss(net, step, rows)? * scale)?)
+    };
+    let halves = [grad_tensors(net, &scaled(0..8)?)?, grad_tensors(net, &scaled(8..16)?)?];
+    let whole = grad_tensors(net, &scaled(0..16)?)?;
+    let mine = grad_tensors(net, &scaled(rank * 8..rank * 8 + 8)?)?;
+    all_reduce_gradients(comm, &mine.iter().collect::<Vec<_>>(), &DataParallelConfig::default())?;
+    let (mut avgs, mut wholes, mut worst) = (Vec::new(), Vec::new(), 0f64);
+    for (k, averaged) in mine.iter().enumerate() {
+        let (avg, g0, g1, g) =
+            (f32s(averaged)?, f32s(&halves[0][k])?, f32s(&halves[1][k])?, f32s(&whole[k])?);
+        let largest = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for i in 0..avg.len() {
+            let want = match half {
+                Precision::Fp16 => f16::from_f32((g0[i] + g1[i]) * 0.5).to_f32(),
+                _ => bf16::from_f32((g0[i] + g1[i]) * 0.5).to_f32(),
+            };
+            assert_eq!(
+                avg[i].to_bits(),
+                want.to_bits(),
+                "{half:?}, rank {rank}, step {step}, tensor {k}, value {i}"
+            );
+            let (a, b) = (f64::from(avg[i]), f64::from(g[i]));
+            let bound =
+                1.01 * u_h * (a.abs() + b.abs() + (f64::from(g0[i]).abs() + f64::from(g1[i]).abs()) / 2.0)
+                    + 3.0 * s_h
+                    + 64.0 * U32 * f64::from(largest);
+            assert!(
+                (a - b).abs() <= bound,
+                "{half:?}, step {step}, tensor {k}, value {i}: 2 x 8 rows {a}, 16 rows {b}, bound {bound}"
+            );
+            worst = worst.max((a - b).abs() / bound);
+        }
+        avgs.push(avg);
+        wholes.push(g);
+    }
+    Ok((avgs, wholes, worst))
+}
+
+/// Largest fractions of their bounds seen by each check of a parity run.
+#[derive(Debug, Default)]
+struct Worst {
+    gradient: f64,
+    lockstep: f64,
+    trajectory: f64,
+}
+
+fn train_both_ways(comm: &Mpi, half: Precision, kind: Kind) -> Outcome {
+    let (rank, what) = (comm.rank(), format!("{half:?} {kind:?}"));
     let (net, reference) = (mlp(half, 3)?, mlp(half, 3)?);
     let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
     dp.broadcast_masters(&net)?;
     let mut optimizer = Optimizer::new(kind, ParamGroups::from_model(&net)?)?;
     let mut ref_optimizer = Optimizer::new(kind, ParamGroups::from_model(&reference)?)?;
     let (mut scaler, mut ref_scaler) = (mpi_training::scaler(&net)?, mpi_training::scaler(&reference)?);
-    let (mut bounds, mut applied, mut worst) = (vec![0f64; masters(&net)?.len()], 0u64, 0f64);
+    let mut shadow = lockstep::Shadow::new(half, kind)?;
+    let (mut bounds, mut applied, mut worst) = (vec![0f64; masters(&net)?.len()], 0u64, Worst::default());
     for step in 0..50 {
-        // Per step: the averaged gradient against the whole batch's, at these weights and this scale.
-        let scale = f64::from(scaler.scale());
-        let scaled = |rows: std::ops::Range<usize>| -> amp::Result<Tensor> {
-            Ok((mpi_training::loss(&net, step, rows)? * scale)?)
-        };
-        let halves = [grad_tensors(&net, &scaled(0..8)?)?, grad_tensors(&net, &scaled(8..16)?)?];
-        let whole = grad_tensors(&net, &scaled(0..16)?)?;
-        let mine = grad_tensors(&net, &scaled(rank * 8..rank * 8 + 8)?)?;
-        all_reduce_gradients(comm, &mine.iter().collect::<Vec<_>>(), &DataParallelConfig::default())?;
-        for (k, averaged) in mine.iter().enumerate() {
-            let (avg, g0, g1, g) =
-                (f32s(averaged)?, f32s(&halves[0][k])?, f32s(&halves[1][k])?, f32s(&whole[k])?);
-            let largest = g.iter().fold(0f32, |m, v| m.max(v.abs()));
-            for i in 0..avg.len() {
-                let want = match half {
-                    Precision::Fp16 => f16::from_f32((g0[i] + g1[i]) * 0.5).to_f32(),
-                    _ => bf16::from_f32((g0[i] + g1[i]) * 0.5).to_f32(),
-                };
-                assert_eq!(
-                    avg[i].to_bits(),
-                    want.to_bits(),
-                    "{what}, rank {rank}, step {step}, tensor {k}, value {i}"
-                );
-                let (a, b) = (f64::from(avg[i]), f64::from(g[i]));
-                let bound = 1.01
-                    * u_h
-                    * (a.abs() + b.abs() + (f64::from(g0[i]).abs() + f64::from(g1[i]).abs()) / 2.0)
-                    + 3.0 * s_h
-                    + 64.0 * U32 * f64::from(largest);
-                assert!(
-                    (a - b).abs() <= bound,
-                    "{what}, step {step}, tensor {k}, value {i}: 2 x 8 rows {a}, 16 rows {b}, bound {bound}"
-                );
-                worst = worst.max((a - b).abs() / bound);
-            }
-        }
+        let scale = scaler.scale();
+        let (avgs, wholes, gradient) = check_gradients(comm, &net, half, step, f64::from(scale))?;
+        worst.gradient = worst.gradient.max(gradient);
+        // Lockstep: the whole batch's step from this very state, on a shadow.
+        let (before, ref_before) = (masters(&net)?, masters(&reference)?);
+        let [m0, v0] = lockstep::moments(&net, &optimizer)?;
+        let shadow_scale = (half == Precision::Fp16).then_some(scale);
+        let shadow_applied = shadow.step_from(&net, &optimizer, shadow_scale, step)?;
         // The steps: data parallel on this rank's rows, the reference on all of them. fp16, step 20:
         // rank 1's loss and the reference's times 1e30, their fp16 gradients overflow: both skip.
         let overflow = half == Precision::Fp16 && step == 20;
         let factor = |on: bool| if on { 1e30 } else { 1.0 };
-        let (before, ref_before) = (masters(&net)?, masters(&reference)?);
-        let report = dp.step_fused(
-            &mut scaler,
-            &(mpi_training::loss(&net, step, rank * 8..rank * 8 + 8)? * factor(overflow && rank == 1))?,
-            optimizer.fused(),
-            None,
-        )?;
-        let ref_report = ref_scaler.step_fused(
-            &(mpi_training::loss(&reference, step, 0..16)? * factor(overflow))?,
-            ref_optimizer.fused(),
-            None,
-        )?;
+        let my_loss = mpi_training::loss(&net, step, rank * 8..rank * 8 + 8)?;
+        let report =
+            dp.step_fused(&mut scaler, &(my_loss * factor(overflow && rank == 1))?, optimizer.fused(), None)?;
+        let ref_loss = mpi_training::loss(&reference, step, 0..16)?;
+        let ref_report =
+            ref_scaler.step_fused(&(ref_loss * factor(overflow))?, ref_optimizer.fused(), None)?;
         assert_eq!(report.applied(), !overflow, "{what}, step {step}: {report}");
         assert_eq!(report.applied(), ref_report.applied(), "{what}, step {step}: {report} vs {ref_report}");
         assert_eq!(scaler.scale(), ref_scaler.scale(), "{what}, step {step}: loss scales differ");
@@ -451,6 +475,33 @@ fn train_both_ways(comm: &Mpi, half: Precision, kind: Kind) -> Outcome {
             continue;
         }
         applied += 1;
+        assert!(shadow_applied, "{what}, step {step}: the shadow skipped");
+        let [m1, v1] = lockstep::moments(&net, &optimizer)?;
+        let (got, shadowed) = (masters(&net)?, shadow.masters()?);
+        let inv = 1.0 / f64::from(scale);
+        for k in 0..got.len() {
+            let unscale = |g: &[f32]| -> Vec<f64> { g.iter().map(|&x| f64::from(x) * inv).collect() };
+            let (g, g2) = (unscale(&avgs[k]), unscale(&wholes[k]));
+            let around = lockstep::StepAround {
+                w: &before[k],
+                m0: &m0[k],
+                v0: &v0[k],
+                m1: &m1[k],
+                v1: &v1[k],
+                g: &g,
+                g2: &g2,
+            };
+            let lr = mpi_training::LR;
+            let step_bounds = lockstep::master_bounds(kind, applied, lr, mpi_training::WEIGHT_DECAY, &around);
+            for (i, bound) in step_bounds.iter().enumerate() {
+                let diff = (f64::from(got[k][i]) - f64::from(shadowed[k][i])).abs();
+                assert!(
+                    diff <= *bound,
+                    "{what}, step {step}, tensor {k}, value {i}: lockstep {diff:e}, bound {bound:e}"
+                );
+                worst.lockstep = worst.lockstep.max(diff / bound);
+            }
+        }
         for (k, bound) in bounds.iter_mut().enumerate() {
             let largest =
                 before[k].iter().chain(&ref_before[k]).fold(0f64, |m, w| m.max(f64::from(*w).abs()));
@@ -462,21 +513,24 @@ fn train_both_ways(comm: &Mpi, half: Precision, kind: Kind) -> Outcome {
         }
     }
     let (got, want) = (masters(&net)?, masters(&reference)?);
-    let mut largest_ratio = 0f64;
     for (k, bound) in bounds.iter().enumerate() {
         for (i, (a, b)) in got[k].iter().zip(&want[k]).enumerate() {
             let diff = (f64::from(*a) - f64::from(*b)).abs();
             assert!(diff <= *bound, "{what}, tensor {k}, value {i}: 2 ranks {a}, 1 rank {b}, bound {bound}");
-            largest_ratio = largest_ratio.max(diff / bound);
+            worst.trajectory = worst.trajectory.max(diff / bound);
         }
     }
     let moved = mpi_training::max_abs_diff(&got, &masters(&mlp(half, 3)?)?);
     if rank == 0 {
         println!(
-            "{} {what}: {applied} of 50 steps applied on both; per-step gradients at most {worst:.3} of their bound; \
-             final masters differ by at most {:.2e} (moved {moved:.3} from the start), {largest_ratio:.2e} of the bound",
+            "{} {what}: {applied} of 50 steps applied on both; at most {:.3} of the per-step gradient bound, {:.3} of \
+             the lockstep bound; final masters differ by at most {:.2e} (moved {moved:.3} from the start), {:.2e} \
+             of the 50-step bound",
             mpi_launch::REPORT,
-            mpi_training::max_abs_diff(&got, &want)
+            worst.gradient,
+            worst.lockstep,
+            mpi_training::max_abs_diff(&got, &want),
+            worst.trajectory
         );
     }
     Ok(())

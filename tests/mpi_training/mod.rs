@@ -2,6 +2,8 @@
 //! fused optimizers behind one type, and the bits of a model's masters.
 #![allow(dead_code, clippy::ptr_arg)] // `&Vec<Linear>`: the AmpModule is the Vec, not a slice
 
+pub mod lockstep;
+
 use amp::checkpoint::TrainingState;
 use amp::nn::{linear, Linear};
 use amp::optim::{AdamConfig, FusedAdamW, FusedLamb, FusedOptimizer, LambConfig, ParamGroups};
