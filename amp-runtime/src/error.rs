@@ -246,6 +246,13 @@ pub enum Error {
         /// Which setting, and its valid range.
         reason: String,
     },
+    /// A ZeRO-1 step or checkpoint given an optimizer that does not hold exactly this rank's shard, or
+    /// ranks whose shards disagree.
+    #[error("ZeRO-1: {reason}")]
+    ZeroShard {
+        /// What does not match, and what to do.
+        reason: String,
+    },
 
     // ---- memory access ----
     /// A kernel needs contiguous memory.

@@ -15,6 +15,8 @@ pub const CHILD: &str = "AMP_MPI_RANK_CHILD";
 /// No job may take longer: mpirun ends it itself after this (`--timeout`), the parent kills it a little
 /// later if it did not.
 pub const JOB_TIMEOUT: Duration = Duration::from_secs(60);
+/// A rank's line that starts with this is printed again by the parent (measurements to show).
+pub const REPORT: &str = "amp-mpi-report:";
 /// What each rank prints when its work returned: the parent counts them.
 const DONE: &str = "amp-mpi-rank-done";
 
@@ -40,12 +42,19 @@ pub fn is_rank() -> bool {
 /// Launches `mpirun -np ranks` on the test `test` of this binary and waits, at most [`JOB_TIMEOUT`]
 /// plus a grace period.
 pub fn launch(test: &str, ranks: usize) -> std::io::Result<Job> {
+    launch_with_env(test, ranks, &[])
+}
+
+/// [`launch`] with `env` set in every rank's environment.
+pub fn launch_with_env(test: &str, ranks: usize, env: &[(&str, &str)]) -> std::io::Result<Job> {
     let _one = ONE_JOB.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let exe = std::env::current_exe()?;
     let mut command = Command::new("mpirun");
     command
         .args(["--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()])
         .args(["--timeout", &JOB_TIMEOUT.as_secs().to_string(), "-x", CHILD])
+        .args(env.iter().flat_map(|(key, _)| ["-x", key]))
+        .envs(env.iter().copied())
         .arg(exe)
         .args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env(CHILD, "1")
@@ -95,6 +104,16 @@ fn wait_until(child: &mut Child, deadline: Instant) -> std::io::Result<Option<Ex
 /// job succeeded. In a rank: `work` on MPI's world; an error ends the whole job at once (MPI_Abort), as
 /// does a panic (`Mpi` aborts when dropped while unwinding), so that no rank waits for a failed one.
 pub fn on_ranks(test: &str, ranks: usize, work: impl FnOnce(&Mpi) -> Outcome) -> Outcome {
+    on_ranks_with_env(test, ranks, &[], work)
+}
+
+/// [`on_ranks`] with `env` set in every rank's environment.
+pub fn on_ranks_with_env(
+    test: &str,
+    ranks: usize,
+    env: &[(&str, &str)],
+    work: impl FnOnce(&Mpi) -> Outcome,
+) -> Outcome {
     if is_rank() {
         let comm = Mpi::init()?;
         if let Err(e) = work(&comm) {
@@ -105,7 +124,7 @@ pub fn on_ranks(test: &str, ranks: usize, work: impl FnOnce(&Mpi) -> Outcome) ->
         println!("{DONE} {} of {}", comm.rank(), comm.world_size());
         return Ok(());
     }
-    let job = launch(test, ranks)?;
+    let job = launch_with_env(test, ranks, env)?;
     let done = job.output.lines().filter(|l| l.contains(DONE)).count();
     assert!(
         job.status.is_some_and(|s| s.success()) && done == ranks,
@@ -114,6 +133,9 @@ pub fn on_ranks(test: &str, ranks: usize, work: impl FnOnce(&Mpi) -> Outcome) ->
         job.elapsed,
         job.output
     );
+    for line in job.output.lines().filter_map(|l| l.split_once(REPORT).map(|(_, rest)| rest.trim())) {
+        println!("`{test}`: {line}");
+    }
     println!("`{test}`: {ranks} ranks passed in {:.2?}", job.elapsed);
     Ok(())
 }

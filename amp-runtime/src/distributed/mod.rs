@@ -9,6 +9,9 @@
 //! - [`broadcast_masters`], [`all_reduce_gradients`], [`agree_non_finite`]: the building blocks.
 //! - [`DataParallel::step_fused`]: the fused training step with the all-reduce after backward and one
 //!   agreed skip decision, the loss scale moving alike on every rank.
+//! - [`Zero1`]: ZeRO stage 1, the optimizer state sharded across the ranks (reduce-scatter of the
+//!   gradients, each rank steps the tensors it owns, all-gather of the updated masters), with
+//!   checkpoints that load on any world size.
 //!
 //! docs/DISTRIBUTED.md in the repository says how to launch and why the rules are what they are.
 
@@ -21,9 +24,12 @@ mod mpi;
 mod mpi;
 mod step;
 mod wire;
+mod zero;
+mod zero_checkpoint;
 
 pub use communicator::{Collective, Communicator, SingleProcess, Traffic, TrafficReport};
 pub use data_parallel::{agree_non_finite, all_reduce_gradients, broadcast_masters, DataParallelConfig};
 pub use mpi::Mpi;
 pub use step::DataParallel;
 pub use wire::{sum_half_words, HalfWire, Wire};
+pub use zero::Zero1;

@@ -1,6 +1,7 @@
 //! The data-parallel training step: the fused step's protocol with the gradient all-reduce after
 //! backward and one agreed verdict before the optimizer.
 
+use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
 use super::communicator::Communicator;
@@ -106,32 +107,44 @@ impl StepStages for DataParallel<'_> {
         true
     }
 
-    fn reduce(&mut self, grads: &[&Tensor]) -> Result<Option<usize>> {
+    fn reduce(
+        &mut self,
+        _: &GradStore,
+        present: &[&Tensor],
+        path: &dyn Fn(usize) -> String,
+    ) -> Result<Option<String>> {
         // This rank's own check first, so that the report can name the rank that produced a non-finite
         // value: after the sum every rank holds it.
-        let own = crate::passes::find_non_finite(grads)?;
-        all_reduce_gradients(self.comm, grads, &self.config)?;
+        let own = crate::passes::find_non_finite(present)?.map(path);
+        all_reduce_gradients(self.comm, present, &self.config)?;
         Ok(own)
     }
 
     fn verdict(&mut self, findings: Findings) -> Result<Option<SkipReason>> {
-        let kind = if !findings.loss_finite {
-            LOSS
-        } else if findings.own.is_some() {
-            OWN_GRADIENT
-        } else if findings.reduced.is_some() {
-            REDUCED_GRADIENT
-        } else {
-            0
-        };
-        let Some((kind, rank)) = agree_lowest(self.comm, kind)? else { return Ok(None) };
-        let me = rank == self.comm.rank();
-        Ok(Some(match kind {
-            LOSS => SkipReason::NonFiniteLossOnRank { rank },
-            OWN_GRADIENT => {
-                SkipReason::GroupGradientOverflow { rank: Some(rank), param: findings.own.filter(|_| me) }
-            }
-            _ => SkipReason::GroupGradientOverflow { rank: None, param: findings.reduced },
-        }))
+        agreed_verdict(self.comm, findings)
     }
+}
+
+/// The skip reason every rank of `comm` takes from every rank's [`Findings`], in one MAX all-reduce
+/// of one word: the most severe finding (a non-finite loss, then a rank's own gradient, then only the
+/// reduced gradient) and the lowest rank that had it.
+pub(crate) fn agreed_verdict(comm: &dyn Communicator, findings: Findings) -> Result<Option<SkipReason>> {
+    let kind = if !findings.loss_finite {
+        LOSS
+    } else if findings.own.is_some() {
+        OWN_GRADIENT
+    } else if findings.reduced.is_some() {
+        REDUCED_GRADIENT
+    } else {
+        0
+    };
+    let Some((kind, rank)) = agree_lowest(comm, kind)? else { return Ok(None) };
+    let me = rank == comm.rank();
+    Ok(Some(match kind {
+        LOSS => SkipReason::NonFiniteLossOnRank { rank },
+        OWN_GRADIENT => {
+            SkipReason::GroupGradientOverflow { rank: Some(rank), param: findings.own.filter(|_| me) }
+        }
+        _ => SkipReason::GroupGradientOverflow { rank: None, param: findings.reduced },
+    }))
 }

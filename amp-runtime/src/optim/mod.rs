@@ -156,11 +156,11 @@ impl GradScaler {
         let present = driver::with_grads(params, None, &grads);
         let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
         let path = |index: usize| params[present[index].0].path.clone();
-        let own = stages.reduce(&tensors)?.map(path);
+        let own = stages.reduce(&grads, &tensors, &path)?;
         // One read pass: the global norm when clipping (inf or NaN when any value is), else the check.
         // The parameter to blame is looked up only when a step is skipped.
         let norm = match max_grad_norm {
-            Some(_) => Some(crate::passes::global_l2_norm(&tensors, inv_scale)?),
+            Some(_) => Some(stages.global_norm(crate::passes::global_l2_norm(&tensors, inv_scale)?)?),
             None => None,
         };
         let first_bad = match norm {
@@ -183,6 +183,7 @@ impl GradScaler {
             _ => inv_scale,
         };
         optimizer.step_scaled(&grads, factor)?;
+        stages.after_step()?;
         self.update(None)
     }
 }

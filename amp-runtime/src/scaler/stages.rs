@@ -5,6 +5,7 @@
 //! [`DataParallel::step_fused`](crate::distributed::DataParallel::step_fused) runs the same protocol
 //! with its own stages, so there is one implementation of the step, not one per setting.
 
+use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
 use super::SkipReason;
@@ -28,12 +29,31 @@ pub(crate) trait StepStages {
     /// non-finite loss still runs backward and goes to [`verdict`](Self::verdict).
     fn collective(&self) -> bool;
 
-    /// Called with the gradients after backward, before they are checked: returns the index of the
-    /// first one holding inf/NaN as computed here (if this stage looks), then reduces them in place.
-    fn reduce(&mut self, grads: &[&Tensor]) -> Result<Option<usize>>;
+    /// Called with the gradients after backward, before they are checked (`grads`: every gradient of
+    /// the backward pass; `present`: those of the optimizer's parameters, `path(i)` naming
+    /// `present[i]`'s parameter): returns the parameter whose gradient held inf/NaN as computed here
+    /// (if this stage looks), then reduces the gradients the optimizer reads, in place.
+    fn reduce(
+        &mut self,
+        grads: &GradStore,
+        present: &[&Tensor],
+        path: &dyn Fn(usize) -> String,
+    ) -> Result<Option<String>>;
+
+    /// The global gradient norm from this rank's norm of `present` (the identity unless the optimizer
+    /// holds only a shard of the parameters).
+    fn global_norm(&mut self, local: f32) -> Result<f32> {
+        Ok(local)
+    }
 
     /// The skip reason every rank takes, from this rank's findings (`None`: apply the step).
     fn verdict(&mut self, findings: Findings) -> Result<Option<SkipReason>>;
+
+    /// Called after the optimizer stepped (not after a skipped step): where each rank stepped only its
+    /// shard, the updated parameters are exchanged here.
+    fn after_step(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// One process alone: no reduction, its own verdict.
@@ -45,7 +65,12 @@ impl StepStages for OneProcess {
         false
     }
 
-    fn reduce(&mut self, _: &[&Tensor]) -> Result<Option<usize>> {
+    fn reduce(
+        &mut self,
+        _: &GradStore,
+        _: &[&Tensor],
+        _: &dyn Fn(usize) -> String,
+    ) -> Result<Option<String>> {
         Ok(None)
     }
 

@@ -17,7 +17,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::StandardNormal;
 
-/// A seed for candle-nn's initializers: see the [module](self) documentation.
+/// A seed for candle-nn's initializers: every [`candle_nn::Init`] drawn from the same distribution as
+/// `Init::var`, but from a ChaCha8 stream per parameter keyed by the seed and the parameter's name, so
+/// that initial weights are the same on every run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SeededInit {
     seed: u64,

@@ -1,0 +1,247 @@
+//! ZeRO-1 checkpoints: one file, in [`crate::checkpoint`]'s format, that loads on any world size.
+//!
+//! Saving gathers every rank's optimizer state (each rank broadcasts its serialized
+//! [`SavedState`] in turn) into the state an unsharded optimizer over the whole model would save: the
+//! same settings JSON, one tensor per state buffer and parameter. Rank 0 writes it with
+//! [`checkpoint::save_with`](crate::checkpoint::save_with); the masters are the same on every rank
+//! after a ZeRO-1 step, so rank 0's model is the model. Loading needs no exchange: every rank reads the
+//! file with [`checkpoint::load_with`](crate::checkpoint::load_with) and its optimizer, built from
+//! [`Zero1::local_groups`], restores the entries of the tensors it owns and ignores the others'. So the
+//! file loads into a plain optimizer on one process, or into ZeRO-1 on any number of ranks.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::data_parallel::agree_non_finite;
+use super::zero::Zero1;
+use crate::checkpoint::{SavedState, TrainingState};
+use crate::error::{Error, Result};
+use crate::AmpModule;
+
+impl Zero1<'_> {
+    /// The whole optimizer state, as an unsharded optimizer over every parameter would save it, on every
+    /// rank: each rank's `optimizer` (its shard) saved and broadcast in turn, tensors sorted by name. A
+    /// collective: every rank calls it.
+    ///
+    /// # Errors
+    /// [`Error::ZeroShard`] when the ranks' optimizers have different settings or step counts; those of
+    /// `save_state` and of the communicator.
+    pub fn gather_state(&self, optimizer: &dyn TrainingState) -> Result<SavedState> {
+        let comm = self.communicator();
+        let mine = optimizer.save_state()?;
+        let mut whole = SavedState::default();
+        for root in 0..comm.world_size() {
+            let state = if root == comm.rank() {
+                broadcast_vec(comm, encode(&mine)?, root)?;
+                mine.clone()
+            } else {
+                decode(&broadcast_vec(comm, Vec::new(), root)?)?
+            };
+            if root == 0 {
+                whole.json = state.json;
+            } else if state.json != whole.json {
+                return Err(Error::ZeroShard {
+                    reason: format!(
+                        "rank {root}'s optimizer settings or step count differ from rank 0's ({} vs {}): every \
+                         rank must build the same optimizer and step it with `Zero1::step_fused`",
+                        state.json, whole.json
+                    ),
+                });
+            }
+            whole.tensors.extend(state.tensors);
+        }
+        whole.tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(whole)
+    }
+
+    /// Saves one checkpoint of the whole run to `path`: the model, the gathered optimizer state
+    /// ([`gather_state`](Self::gather_state)) under `optimizer`'s key, and `others` (states every rank
+    /// holds alike, such as the loss scaler), written by rank 0 with
+    /// [`checkpoint::save_with`](crate::checkpoint::save_with). A collective; returns on every rank once
+    /// the file is written. Load it with [`load_checkpoint`](Self::load_checkpoint) on any number of
+    /// ranks, or with `checkpoint::load_with` and a plain optimizer on one process.
+    ///
+    /// # Errors
+    /// Rank 0's write error on rank 0, and [`Error::ZeroShard`] naming it on the others; those of
+    /// [`gather_state`](Self::gather_state).
+    pub fn save_checkpoint<M: AmpModule + ?Sized>(
+        &self,
+        model: &M,
+        optimizer: &dyn TrainingState,
+        others: &[&dyn TrainingState],
+        path: impl AsRef<Path>,
+    ) -> Result<()> {
+        let comm = self.communicator();
+        let gathered = Gathered { key: optimizer.state_key(), state: self.gather_state(optimizer)? };
+        let written = if comm.rank() == 0 {
+            let mut states: Vec<&dyn TrainingState> = vec![&gathered];
+            states.extend_from_slice(others);
+            crate::checkpoint::save_with(model, &states, path.as_ref())
+        } else {
+            Ok(())
+        };
+        match (agree_non_finite(comm, written.is_err())?, written) {
+            (None, written) => written,
+            (Some(_), Err(e)) => Err(e),
+            (Some(rank), Ok(())) => Err(Error::ZeroShard {
+                reason: format!(
+                    "rank {rank} could not write {}: its error says why",
+                    path.as_ref().display()
+                ),
+            }),
+        }
+    }
+
+    /// Loads a checkpoint written by [`save_checkpoint`](Self::save_checkpoint) (by any number of ranks)
+    /// on every rank, with [`checkpoint::load_with`](crate::checkpoint::load_with): `model` and `states`,
+    /// among them this rank's optimizer (built from [`local_groups`](Self::local_groups): it takes the
+    /// entries of the tensors it owns and leaves the others'). A collective: the ranks agree, so all load
+    /// or all fail.
+    ///
+    /// # Errors
+    /// The load error on the ranks that failed, and [`Error::ZeroShard`] naming the lowest on the others.
+    pub fn load_checkpoint<M: AmpModule + ?Sized>(
+        &self,
+        model: &mut M,
+        states: &mut [&mut dyn TrainingState],
+        path: impl AsRef<Path>,
+    ) -> Result<()> {
+        let loaded = crate::checkpoint::load_with(model, states, path.as_ref());
+        match (agree_non_finite(self.communicator(), loaded.is_err())?, loaded) {
+            (None, loaded) => loaded,
+            (Some(_), Err(e)) => Err(e),
+            (Some(rank), Ok(())) => Err(Error::ZeroShard {
+                reason: format!(
+                    "rank {rank} could not load {}: its error says why (every rank must reach the file)",
+                    path.as_ref().display()
+                ),
+            }),
+        }
+    }
+}
+
+/// A gathered optimizer state handed to `save_with` on rank 0 (which only saves it).
+struct Gathered {
+    key: String,
+    state: SavedState,
+}
+
+impl TrainingState for Gathered {
+    fn state_key(&self) -> String {
+        self.key.clone()
+    }
+
+    fn save_state(&self) -> Result<SavedState> {
+        Ok(self.state.clone())
+    }
+
+    fn check_state(&self, _: &SavedState) -> Result<()> {
+        Err(Error::Internal { what: "a gathered ZeRO-1 state is only saved".into() })
+    }
+
+    fn restore_state(&mut self, _: SavedState) -> Result<()> {
+        Err(Error::Internal { what: "a gathered ZeRO-1 state is only saved".into() })
+    }
+}
+
+/// `bytes` of rank `root` on every rank: its length first, then its bytes.
+fn broadcast_vec(comm: &dyn super::Communicator, mut bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+    let mut len = (bytes.len() as u64).to_le_bytes();
+    comm.broadcast_bytes(&mut len, root)?;
+    bytes.resize(u64::from_le_bytes(len) as usize, 0);
+    comm.broadcast_bytes(&mut bytes, root)?;
+    Ok(bytes)
+}
+
+/// The JSON, then per tensor its name, dims and f32 values, little-endian, lengths as u64.
+fn encode(state: &SavedState) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let put = |out: &mut Vec<u8>, n: usize| out.extend_from_slice(&(n as u64).to_le_bytes());
+    put(&mut out, state.json.len());
+    out.extend_from_slice(state.json.as_bytes());
+    put(&mut out, state.tensors.len());
+    for (name, tensor) in &state.tensors {
+        put(&mut out, name.len());
+        out.extend_from_slice(name.as_bytes());
+        put(&mut out, tensor.rank());
+        tensor.dims().iter().for_each(|&d| put(&mut out, d));
+        let values = tensor.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+    }
+    Ok(out)
+}
+
+/// The inverse of [`encode`].
+fn decode(bytes: &[u8]) -> Result<SavedState> {
+    let mut reader = Reader { bytes, at: 0 };
+    let json = reader.text()?;
+    let count = reader.word()?;
+    let mut tensors = Vec::with_capacity(count.min(bytes.len()));
+    for _ in 0..count {
+        let name = reader.text()?;
+        let rank = reader.word()?;
+        let dims = (0..rank).map(|_| reader.word()).collect::<Result<Vec<usize>>>()?;
+        let n: usize = dims.iter().product();
+        let values: Vec<f32> = reader
+            .take(4 * n)?
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        tensors.push((name, Tensor::from_vec(values, dims, &Device::Cpu)?));
+    }
+    Ok(SavedState { json, tensors })
+}
+
+/// Reads [`encode`]'s fields in order.
+struct Reader<'b> {
+    bytes: &'b [u8],
+    at: usize,
+}
+
+impl<'b> Reader<'b> {
+    fn take(&mut self, n: usize) -> Result<&'b [u8]> {
+        let piece = self.at.checked_add(n).and_then(|end| self.bytes.get(self.at..end));
+        let piece = piece
+            .ok_or_else(|| Error::Internal { what: "a ZeRO-1 state from another rank ended early".into() })?;
+        self.at += n;
+        Ok(piece)
+    }
+
+    fn word(&mut self) -> Result<usize> {
+        let mut le = [0u8; 8];
+        le.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(le) as usize)
+    }
+
+    fn text(&mut self) -> Result<String> {
+        let len = self.word()?;
+        String::from_utf8(self.take(len)?.to_vec()).map_err(|e| Error::Internal { what: e.to_string() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_survives_encoding_bit_for_bit() -> Result<()> {
+        let tensors = vec![
+            ("a/exp_avg".to_string(), Tensor::new(&[1.5f32, -0.0, f32::MIN_POSITIVE], &Device::Cpu)?),
+            ("b/exp_avg_sq".to_string(), Tensor::new(&[[1f32, 2.0], [3.0, 1e-30]], &Device::Cpu)?),
+        ];
+        let state = SavedState { json: "{\"step\":3}".into(), tensors };
+        let back = decode(&encode(&state)?)?;
+        assert_eq!(back.json, state.json);
+        for ((n0, t0), (n1, t1)) in state.tensors.iter().zip(&back.tensors) {
+            assert_eq!((n0, t0.dims()), (n1, t1.dims()));
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+            };
+            assert_eq!(bits(t0)?, bits(t1)?);
+        }
+        let bytes = encode(&state)?;
+        assert!(decode(&bytes[..bytes.len() - 1]).is_err(), "a truncated state is refused");
+        Ok(())
+    }
+}
