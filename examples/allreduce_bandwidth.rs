@@ -16,11 +16,14 @@
 //!
 //! Bus bandwidth is nccl-tests' definition: `bytes / time * 2 (W - 1) / W` for `W` ranks, the rate each
 //! rank's link would carry in a ring, comparable across world sizes. The bf16 wire's "as f32" rate
-//! counts the f32 gradient bytes it reduced: the link rate an fp32 wire would need to keep up.
+//! counts the f32 gradient bytes it reduced: the link rate an fp32 wire would need to keep up. For
+//! scale, every rank also copies the same f32 bytes in memory at once (`memcpy GB/s`, bytes / time) and
+//! does the bf16 wire's arithmetic alone, without MPI (`bf16 arithmetic ms`: encode, one combine of two
+//! operands, decode).
 
 use std::time::Instant;
 
-use amp::distributed::{Communicator, Mpi, Wire};
+use amp::distributed::{sum_half_words, Communicator, HalfWire, Mpi, Wire};
 use amp::optim::{AdamConfig, FusedAdamW, FusedOptimizer, ParamGroups};
 use amp_kernels::timing::median;
 use candle_core::{DType, Device, Tensor, Var};
@@ -52,6 +55,7 @@ fn measure(comm: &Mpi) -> Result<(), Box<dyn std::error::Error>> {
     for (i, v) in buffer.iter_mut().enumerate() {
         *v = 1e-3 * ((i % 1000) as f32 - 500.0); // gradient-like magnitudes, both signs
     }
+    let mut copy = vec![0f32; buffer.len()];
     let (mut optimizer, grads) = optimizer_on_param_set()?;
     if comm.rank() == 0 {
         println!(
@@ -60,8 +64,9 @@ fn measure(comm: &Mpi) -> Result<(), Box<dyn std::error::Error>> {
             rayon::current_num_threads()
         );
     }
-    // times[case][wire]: seconds of each round; optimizer: seconds of each round.
-    let mut times = vec![[Vec::new(), Vec::new()]; cases.len()];
+    // times[case]: seconds of each round on the f32 wire, on the bf16 wire, of a memory copy of the same
+    // f32 bytes and of the bf16 wire's arithmetic alone, on every rank at once; optimizer: each round's.
+    let mut times = vec![[Vec::new(), Vec::new(), Vec::new(), Vec::new()]; cases.len()];
     let mut optimizer_s = Vec::new();
     for round in 0..=ROUNDS {
         for (case, &values) in cases.iter().enumerate() {
@@ -72,6 +77,19 @@ fn measure(comm: &Mpi) -> Result<(), Box<dyn std::error::Error>> {
                 if round > 0 {
                     times[case][w].push(s);
                 }
+            }
+            let s = slowest(comm, || {
+                copy[..values].copy_from_slice(&buffer[..values]);
+                std::hint::black_box(&mut copy);
+                Ok(())
+            })?;
+            let codec = slowest(comm, || {
+                bf16_arithmetic(&buffer[..values], &mut copy[..values]);
+                Ok(())
+            })?;
+            if round > 0 {
+                times[case][2].push(s);
+                times[case][3].push(codec);
             }
         }
         let s = slowest(comm, || optimizer.step(&grads))?;
@@ -102,27 +120,38 @@ fn slowest(comm: &Mpi, f: impl FnOnce() -> amp::Result<()>) -> amp::Result<f64> 
 }
 
 /// The measured table: per size, each wire's median time and bus bandwidth.
-fn bandwidth_table(world: usize, cases: &[usize], times: &[[Vec<f64>; 2]]) {
+fn bandwidth_table(world: usize, cases: &[usize], times: &[[Vec<f64>; 4]]) {
     let bus = 2.0 * (world - 1) as f64 / world as f64;
     println!(
-        "\n| gradients (f32 values) | as f32 | f32 wire ms | f32 bus GB/s | bf16 wire ms | bf16 bus GB/s | bf16 as f32 GB/s | bf16 / f32 time |"
+        "\n| gradients (f32 values) | as f32 | f32 wire ms | f32 bus GB/s | bf16 wire ms | bf16 bus GB/s | bf16 as f32 GB/s | bf16 / f32 time | memcpy GB/s | bf16 arithmetic ms |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
-    for (&values, [f32_s, bf16_s]) in cases.iter().zip(times) {
-        let (f32_s, bf16_s) = (median(f32_s), median(bf16_s));
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (&values, [f32_s, bf16_s, copy_s, codec_s]) in cases.iter().zip(times) {
+        let [f32_s, bf16_s, copy_s, codec_s] = [f32_s, bf16_s, copy_s, codec_s].map(|t| median(t));
         let gbs = |bytes: f64, s: f64| bus * bytes / s / 1e9;
         let f32_bytes = 4.0 * values as f64;
         println!(
-            "| {values} | {:.1} MiB | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            "| {values} | {:.1} MiB | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.2} |",
             f32_bytes / (1 << 20) as f64,
             1e3 * f32_s,
             gbs(f32_bytes, f32_s),
             1e3 * bf16_s,
             gbs(f32_bytes / 2.0, bf16_s),
             gbs(f32_bytes, bf16_s),
-            bf16_s / f32_s
+            bf16_s / f32_s,
+            f32_bytes / copy_s / 1e9,
+            1e3 * codec_s
         );
     }
+}
+
+/// What a bf16 all-reduce of two ranks computes besides moving bytes, as `Mpi::all_reduce_sum` does it:
+/// encode to bf16 words, one combine of two operands (`sum_half_words`), decode into `out`.
+fn bf16_arithmetic(values: &[f32], out: &mut [f32]) {
+    let words = HalfWire::Bf16.encode_all(values);
+    let mut sum = words.clone();
+    sum_half_words(HalfWire::Bf16, &words, &mut sum);
+    HalfWire::Bf16.decode_into(&sum, out);
 }
 
 /// Ring all-reduce time `2 (N - 1) / N * bytes / link` of the parameter set's gradients, per wire, node
