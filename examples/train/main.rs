@@ -16,7 +16,12 @@
 //! by step: about 4 minutes on 2 cores), `-- --size tiny` for the small model, or e.g.
 //! `cargo run --release --example train -- --precision fp32,fp16 --opt-level O1 --steps 200 --out out/`.
 //! `--help` lists every flag.
+//!
+//! Data-parallel (built with `--features mpi`): `mpirun -np 2 target/release/examples/train --data-parallel`
+//! trains the same runs with each rank on its share of every batch, the gradients averaged over the
+//! ranks (`distributed.rs`; docs/DISTRIBUTED.md).
 
+mod distributed;
 mod gpt;
 mod markov;
 mod plot;
@@ -30,11 +35,13 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use amp::distributed::{DataParallel, Wire};
 use amp::optim::{AdamConfig, FusedAdamW, FusedOptimizer, ParamGroups};
 use amp::scaler::ScalerConfig;
 use amp::{AmpConfig, AmpModuleExt, GradScaler, OptLevel, Precision};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
+use distributed::Group;
 use gpt::{Gpt, GptShape};
 use markov::{split, Markov, SUCCESSORS, VOCAB};
 use rand::rngs::StdRng;
@@ -118,6 +125,15 @@ struct Args {
     /// Where results.json, loss_curves.csv and loss_curves.png go
     #[arg(long, value_name = "DIR", default_value = "out")]
     out: PathBuf,
+    /// Train as one rank of an MPI job, each rank on its share of every batch with the gradients
+    /// averaged over the ranks: `mpirun -np 2 target/release/examples/train --data-parallel` (needs a
+    /// build with `--features mpi`). Logs and files from rank 0 only
+    #[arg(long)]
+    data_parallel: bool,
+    /// With --data-parallel, the dtype gradients travel in between ranks: f32 (exact), bf16 or f16 (half
+    /// the bytes)
+    #[arg(long, value_name = "DTYPE", default_value = "f32", value_parser = parse_wire, requires = "data_parallel")]
+    wire: Wire,
 }
 
 fn parse_precision(name: &str) -> Result<Precision, String> {
@@ -139,6 +155,15 @@ fn parse_size(name: &str) -> Result<Size, String> {
     }
 }
 
+fn parse_wire(name: &str) -> Result<Wire, String> {
+    match name {
+        "f32" => Ok(Wire::F32),
+        "bf16" => Ok(Wire::Bf16),
+        "f16" => Ok(Wire::F16),
+        other => Err(format!("{other}: expected f32, bf16 or f16")),
+    }
+}
+
 fn parse_steps(steps: &str) -> Result<usize, String> {
     match steps.parse::<usize>().map_err(|e| e.to_string())? {
         n if n >= 20 => Ok(n),
@@ -156,6 +181,8 @@ pub struct Run {
     pub scale: f32,
     pub accuracy: f64,
     pub bytes: usize,
+    /// Payload bytes this rank handed to collectives during the steps (0 on one process).
+    pub sent: u64,
 }
 
 impl Run {
@@ -187,42 +214,71 @@ fn run_name(precision: Precision, opt_level: OptLevel) -> String {
 }
 
 /// One run's model, optimizer and scaler. The runs step in lockstep (step i of every run, then step
-/// i + 1), so load from other processes on a shared machine slows them all alike.
-struct Trainer {
+/// i + 1), so load from other processes on a shared machine slows them all alike. In a data-parallel
+/// job, each run steps through its own `DataParallel` over the group.
+struct Trainer<'c> {
     size: Size,
     run: Run,
     model: Gpt,
     optimizer: FusedAdamW,
     scaler: GradScaler,
     window: (f64, usize), // ms and steps since the last progress line
+    group: Option<(Group<'c>, DataParallel<'c>)>,
 }
 
-impl Trainer {
+impl<'c> Trainer<'c> {
     fn new(
         size: Size,
         name: String,
         weights: &HashMap<String, Tensor>,
         config: AmpConfig,
+        group: Option<Group<'c>>,
     ) -> amp::Result<Self> {
         let vb = VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu);
         let mut model = Gpt::new(size.shape, vb)?;
         amp::initialize(&mut model, config)?;
+        let group = match group {
+            Some(group) => {
+                let dp = group.data_parallel()?;
+                dp.broadcast_masters(&model)?;
+                Some((group, dp))
+            }
+            None => None,
+        };
         let adam = AdamConfig { lr: size.lr, weight_decay: 0.01, ..AdamConfig::default() };
         let optimizer = FusedAdamW::new(ParamGroups::from_model(&model)?, adam)?;
         let scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
-        let run =
-            Run { name, curve: vec![], step_ms: vec![], skipped: 0, scale: 1.0, accuracy: 0.0, bytes: 0 };
-        Ok(Trainer { size, run, model, optimizer, scaler, window: (0.0, 0) })
+        let run = Run {
+            name,
+            curve: vec![],
+            step_ms: vec![],
+            skipped: 0,
+            scale: 1.0,
+            accuracy: 0.0,
+            bytes: 0,
+            sent: 0,
+        };
+        Ok(Trainer { size, run, model, optimizer, scaler, window: (0.0, 0), group })
     }
 
+    /// One step on `ids` and `targets` (this rank's rows of the batch in a data-parallel job).
     fn step(&mut self, step: usize, lr: f64, (ids, targets): &(Tensor, Tensor)) -> amp::Result<()> {
         self.optimizer.set_learning_rate(lr);
+        let sent_before = self.group.as_ref().map_or(0, |(g, _)| g.bytes_sent());
         let start = Instant::now();
         let loss = amp::ops::loss::cross_entropy(&self.model.logits(ids)?, targets)?;
-        self.scaler.step_fused(&loss, &mut self.optimizer, Some(1.0))?;
+        match &mut self.group {
+            Some((_, dp)) => dp.step_fused(&mut self.scaler, &loss, &mut self.optimizer, Some(1.0))?,
+            None => self.scaler.step_fused(&loss, &mut self.optimizer, Some(1.0))?,
+        };
         let ms = start.elapsed().as_secs_f64() * 1e3;
+        let mut loss = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        if let Some((group, _)) = &self.group {
+            loss = group.mean(loss)?; // the whole batch's loss, outside the step's time
+            self.run.sent += group.bytes_sent() - sent_before;
+        }
         self.run.step_ms.push(ms);
-        self.run.curve.push((step, loss.to_dtype(DType::F32)?.to_scalar::<f32>()?));
+        self.run.curve.push((step, loss));
         self.window = (self.window.0 + ms, self.window.1 + 1);
         Ok(())
     }
@@ -301,33 +357,39 @@ impl SeedData {
 }
 
 /// Trains every run of `args` from `weights` on `data`, in lockstep, with a live bar and a progress line
-/// every 10% of the steps.
+/// every 10% of the steps (on rank 0 only in a data-parallel job, where each rank trains on its rows).
 fn train_runs(
     args: &Args,
     weights: &HashMap<String, Tensor>,
     data: &SeedData,
+    group: Option<Group<'_>>,
 ) -> Result<Vec<Run>, Box<dyn std::error::Error>> {
     let size = args.size;
     let steps = data.batches.len();
     let mut trainers = args
         .runs
         .iter()
-        .map(|p| Trainer::new(size, run_name(*p, args.opt_level), weights, config_for(*p, args.opt_level)))
+        .map(|p| {
+            let (name, config) = (run_name(*p, args.opt_level), config_for(*p, args.opt_level));
+            Trainer::new(size, name, weights, config, group)
+        })
         .collect::<amp::Result<Vec<_>>>()?;
     let every = (steps / 10).max(1);
+    let root = group.is_none_or(|g| g.rank() == 0);
     // A live bar on a terminal (hidden when output is redirected), plus a line every 10% for logs.
-    let bar = indicatif::ProgressBar::new(steps as u64);
+    let bar = if root { indicatif::ProgressBar::new(steps as u64) } else { indicatif::ProgressBar::hidden() };
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:24} {pos}/{len} {msg}")
             .map_err(|e| format!("progress bar template: {e}"))?,
     );
     for (step, batch) in data.batches.iter().enumerate().map(|(i, b)| (i + 1, b)) {
+        let rows = group.map(|g| g.rows(batch)).transpose()?;
         for trainer in &mut trainers {
-            trainer.step(step, learning_rate(size.lr, step, steps), batch)?;
+            trainer.step(step, learning_rate(size.lr, step, steps), rows.as_ref().unwrap_or(batch))?;
         }
         bar.set_position(step as u64);
         bar.set_message(trainers.iter().map(Trainer::status).collect::<Vec<_>>().join(" | "));
-        if step % every == 0 || step == steps {
+        if root && (step % every == 0 || step == steps) {
             bar.suspend(|| trainers.iter_mut().for_each(|t| t.progress(step, steps)));
         }
     }
@@ -347,63 +409,77 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = <Args as clap::Parser>::parse();
     args.runs =
         args.runs.iter().enumerate().filter(|(i, p)| !args.runs[..*i].contains(p)).map(|(_, p)| *p).collect();
+    if !args.data_parallel {
+        return train(&args, None);
+    }
+    if !cfg!(feature = "mpi") {
+        <Args as clap::CommandFactory>::command()
+            .error(
+                clap::error::ErrorKind::InvalidValue,
+                "--data-parallel needs MPI, which this build does not have: build with `cargo build \
+                 --release --features mpi --example train` (needs an MPI library and libclang; \
+                 docs/DISTRIBUTED.md), then launch with `mpirun -np 2 target/release/examples/train \
+                 --data-parallel`",
+            )
+            .exit();
+    }
+    distributed::launch(args.wire, args.size.batch, |group| train(&args, Some(group)))
+}
+
+/// The main job: on one process (`group` None), or as one rank of a data-parallel group, where only
+/// rank 0 prints and writes.
+fn train(args: &Args, group: Option<Group<'_>>) -> Result<(), Box<dyn std::error::Error>> {
+    let root = group.is_none_or(|g| g.rank() == 0);
     let device = Device::Cpu;
     let started = Instant::now();
 
     let source = Markov::generate(SEED);
     let floor = source.entropy_rate();
     let (_, best_accuracy) = source.best_guess();
-    println!(
-        "task: next token of a {VOCAB}-token Markov source ({SUCCESSORS} likely successors per token)\n  \
-         entropy rate (the floor) {floor:.4} nats/token; uniform guess ln V = {:.4}; best accuracy {:.1}%",
-        (VOCAB as f64).ln(),
-        100.0 * best_accuracy
-    );
     let (size, steps) = (args.size, args.steps.unwrap_or(args.size.steps));
-    let (batch, seq) = (size.batch, size.shape.seq);
-    if let Some(half) = args.runs.iter().find(|p| **p != Precision::Fp32) {
-        let weights = Gpt::initial_weights(size.shape, 0, &device)?;
-        let mut model = Gpt::new(size.shape, VarBuilder::from_tensors(weights, DType::F32, &device))?;
-        amp::initialize(&mut model, config_for(*half, args.opt_level))?;
-        println!(
-            "\nprecision plan of the {} run:\n{}\n",
-            run_name(*half, args.opt_level),
-            model.precision_plan()
-        );
+    if root {
+        header(args, &source, steps, group)?;
     }
-    let (GptShape { embed, layers, heads, .. }, lr) = (size.shape, size.lr);
-    println!(
-        "size {}: d_model {embed}, {layers} layers, {heads} heads, {seq} positions; {steps} steps of {batch}x{seq} \
-         tokens ({:.1} GFLOP of matrix products a step), AdamW lr {lr} (warm-up + cosine), clip 1.0",
-        size.name,
-        size.flops_per_step() / 1e9
-    );
-    let dims = amp::dispatch::Dims::new(batch * seq, 4 * embed, embed);
-    let bf16_path = amp::dispatch::explain(&device, Precision::Bf16, dims);
-    let f32_path = amp::dispatch::explain(&device, Precision::Fp32, dims);
-    println!("matrix products: fp32 on {}; bf16 and fp16 on {}\n", f32_path.kernel, bf16_path.kernel);
 
     let mut seeds = Vec::new();
+    let mut per_rank = Vec::new();
     for seed in 0..args.seeds {
-        if args.seeds > 1 {
+        if args.seeds > 1 && root {
             println!("seed {seed} of {}: its own initial weights, data order and held-out set", args.seeds);
         }
         let data = SeedData::draw(&source, size, steps, seed, &device)?;
         let weights = Gpt::initial_weights(size.shape, seed, &device)?;
-        let runs = train_runs(&args, &weights, &data)?;
-        report::table(&runs, size.tokens(), floor, best_accuracy, data.oracle);
+        let runs = train_runs(args, &weights, &data, group)?;
+        if root {
+            report::table(&runs, size.tokens(), floor, best_accuracy, data.oracle);
+        }
+        if let Some(group) = &group {
+            let ranks = group.gather(&runs)?;
+            if root {
+                distributed::rank_table(group, &runs, &ranks, steps);
+            }
+            per_rank
+                .push(serde_json::json!({ "seed": seed, "ranks": distributed::ranks_json(&runs, &ranks) }));
+        }
         seeds.push(report::Seed { seed, runs, oracle: data.oracle });
+    }
+    if !root {
+        return Ok(());
     }
     if seeds.len() > 1 {
         report::across_seeds(&seeds, floor);
     }
 
     std::fs::create_dir_all(&args.out)?;
+    let (GptShape { embed, layers, heads, seq, .. }, batch) = (size.shape, size.batch);
+    let data_parallel =
+        group.map(|g| serde_json::json!({ "ranks": g.world(), "wire": g.wire(), "per_rank": per_rank }));
     let results = serde_json::json!({
         "task": { "vocab": VOCAB, "successors": SUCCESSORS, "entropy_floor": floor, "best_accuracy": best_accuracy },
         "size": size.name, "d_model": embed, "layers": layers, "heads": heads,
-        "flops_per_step": size.flops_per_step(), "matmul_bf16": bf16_path.kernel.to_string(),
-        "steps": steps, "batch": batch, "seq": seq, "lr": lr, "opt_level": args.opt_level.to_string(),
+        "flops_per_step": size.flops_per_step(), "matmul_bf16": bf16_kernel(size, &device),
+        "steps": steps, "batch": batch, "seq": seq, "lr": size.lr, "opt_level": args.opt_level.to_string(),
+        "data_parallel": data_parallel,
         "seeds": seeds.iter().map(|s| report::seed_json(s, size.tokens(), floor)).collect::<Vec<_>>(),
     });
     std::fs::write(args.out.join("results.json"), serde_json::to_string_pretty(&results)?)?;
@@ -425,5 +501,58 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.out.display(),
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// The kernel amp's dispatch picks for the size's bf16 MLP product.
+fn bf16_kernel(size: Size, device: &Device) -> String {
+    let dims = amp::dispatch::Dims::new(size.tokens(), 4 * size.shape.embed, size.shape.embed);
+    amp::dispatch::explain(device, Precision::Bf16, dims).kernel.to_string()
+}
+
+/// What is trained and how: the task, the precision plan of the first mixed run, the model and the
+/// schedule, which GEMM runs, and the data-parallel group.
+fn header(args: &Args, source: &Markov, steps: usize, group: Option<Group<'_>>) -> amp::Result<()> {
+    let device = Device::Cpu;
+    let (_, best_accuracy) = source.best_guess();
+    println!(
+        "task: next token of a {VOCAB}-token Markov source ({SUCCESSORS} likely successors per token)\n  \
+         entropy rate (the floor) {:.4} nats/token; uniform guess ln V = {:.4}; best accuracy {:.1}%",
+        source.entropy_rate(),
+        (VOCAB as f64).ln(),
+        100.0 * best_accuracy
+    );
+    let size = args.size;
+    if let Some(half) = args.runs.iter().find(|p| **p != Precision::Fp32) {
+        let weights = Gpt::initial_weights(size.shape, 0, &device)?;
+        let mut model = Gpt::new(size.shape, VarBuilder::from_tensors(weights, DType::F32, &device))?;
+        amp::initialize(&mut model, config_for(*half, args.opt_level))?;
+        println!(
+            "\nprecision plan of the {} run:\n{}\n",
+            run_name(*half, args.opt_level),
+            model.precision_plan()
+        );
+    }
+    let (GptShape { embed, layers, heads, seq, .. }, batch, lr) = (size.shape, size.batch, size.lr);
+    println!(
+        "size {}: d_model {embed}, {layers} layers, {heads} heads, {seq} positions; {steps} steps of {batch}x{seq} \
+         tokens ({:.1} GFLOP of matrix products a step), AdamW lr {lr} (warm-up + cosine), clip 1.0",
+        size.name,
+        size.flops_per_step() / 1e9
+    );
+    let dims = amp::dispatch::Dims::new(batch * seq, 4 * embed, embed);
+    let f32_path = amp::dispatch::explain(&device, Precision::Fp32, dims);
+    println!("matrix products: fp32 on {}; bf16 and fp16 on {}", f32_path.kernel, bf16_kernel(size, &device));
+    if let Some(group) = group {
+        let world = group.world();
+        println!(
+            "data-parallel: {world} ranks, {} sequences each per step (rank r: rows [r*{batch}/{world}, \
+             (r+1)*{batch}/{world}) of every batch), gradients averaged on the {} wire; {} rayon threads a rank",
+            batch / world,
+            group.wire(),
+            rayon::current_num_threads()
+        );
+    }
+    println!();
     Ok(())
 }
