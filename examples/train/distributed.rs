@@ -209,12 +209,7 @@ fn use_local_share_of_cores() {
     if std::env::var_os("RAYON_NUM_THREADS").is_some() {
         return;
     }
-    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
-        .iter()
-        .find_map(|name| std::env::var(name).ok()?.parse::<usize>().ok())
-        .filter(|&n| n > 0);
-    if let Some(local) = local {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        std::env::set_var("RAYON_NUM_THREADS", (cores / local).max(1).to_string());
+    if let Some(threads) = amp::distributed::local_share_of_cores() {
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     }
 }

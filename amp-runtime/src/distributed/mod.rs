@@ -33,3 +33,16 @@ pub use mpi::Mpi;
 pub use step::DataParallel;
 pub use wire::{sum_half_words, HalfWire, Wire};
 pub use zero::Zero1;
+
+/// The threads this rank should give its compute pool (rayon: amp's GEMM and optimizers) when the
+/// launcher says how many ranks share this machine (Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MPICH's
+/// `MPI_LOCALNRANKS`): the machine's cores divided among them, at least 1. `None` when no launcher says
+/// so. Ranks on one machine that each size their pool to all its cores oversubscribe it.
+pub fn local_share_of_cores() -> Option<usize> {
+    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok()?.parse::<usize>().ok())
+        .filter(|&n| n > 0)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Some((cores / local).max(1))
+}
