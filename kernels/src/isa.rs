@@ -7,7 +7,7 @@
 //!
 //! The bandwidth-bound kernels (unscale, norms, optimizers, conversions) have one x86 path, AVX2 + FMA +
 //! F16C, which the AVX-512 levels also run: those kernels are bound by memory, not by vector width. The
-//! GEMM ([`crate::gemm`]) has a micro-kernel per level: ymm FMA, zmm FMA and `vdpbf16ps`.
+//! GEMM ([`crate::gemm`]) has a micro-kernel per level: ymm FMA, zmm FMA, `vdpbf16ps` and AMX tiles.
 
 /// A code path for the kernels of this crate, from the most portable to the most specialised. Each
 /// level implies the ones before it on every CPU that has it.
@@ -22,11 +22,15 @@ pub enum Isa {
     /// [`Isa::Avx512`] plus AVX512-BF16: the `vdpbf16ps` bf16 dot product (Cooper Lake, Sapphire Rapids,
     /// Zen 4 and later).
     Avx512Bf16,
+    /// [`Isa::Avx512Bf16`] plus AMX-TILE and AMX-BF16 (Sapphire Rapids and later), with the operating
+    /// system's permission to use tile data: on Linux (5.16 or later) amp asks for it once per process
+    /// (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); elsewhere this level is not used.
+    AmxBf16,
 }
 
 impl Isa {
     /// Every level, most portable first.
-    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::AmxBf16];
 
     /// The fastest path this CPU supports.
     #[must_use]
@@ -43,6 +47,7 @@ impl Isa {
             Isa::Avx2 => features::avx2(),
             Isa::Avx512 => features::avx2() && features::avx512(),
             Isa::Avx512Bf16 => features::avx2() && features::avx512() && features::avx512_bf16(),
+            Isa::AmxBf16 => Isa::Avx512Bf16.is_supported() && features::amx_bf16(),
         }
     }
 
@@ -67,6 +72,9 @@ impl Isa {
             Isa::Avx2 => "avx2 fma f16c",
             Isa::Avx512 => "avx2 fma f16c avx512f avx512bw avx512vl",
             Isa::Avx512Bf16 => "avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16",
+            Isa::AmxBf16 => {
+                "avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16 (and Linux 5.16+)"
+            }
         }
     }
 }
@@ -90,6 +98,10 @@ mod features {
     pub(super) fn avx512_bf16() -> bool {
         is_x86_feature_detected!("avx512bf16")
     }
+
+    pub(super) fn amx_bf16() -> bool {
+        crate::amx::is_enabled()
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -103,6 +115,10 @@ mod features {
     }
 
     pub(super) fn avx512_bf16() -> bool {
+        false
+    }
+
+    pub(super) fn amx_bf16() -> bool {
         false
     }
 }
@@ -122,7 +138,7 @@ mod tests {
         let best = Isa::detect();
         assert!(best.is_supported());
         assert!(Isa::ALL.into_iter().filter(|isa| *isa > best).all(|isa| !isa.is_supported()));
-        assert_eq!(Isa::Avx512Bf16.or_portable(), best);
+        assert_eq!(Isa::AmxBf16.or_portable(), best);
     }
 
     #[test]

@@ -45,6 +45,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))] // docs.rs: items of the `cuda` feature say so
 #![warn(missing_docs)]
 
+mod amx;
 mod backend;
 pub mod clip;
 pub mod convert;

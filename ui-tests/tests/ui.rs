@@ -3,6 +3,9 @@
 
 #[test]
 fn ui() {
+    // trybuild's generated project does not inherit the workspace's profiles: without this, its builds
+    // of candle and friends carry full debug info (2 GB of target/ on CI, the most of any step).
+    std::env::set_var("CARGO_PROFILE_DEV_DEBUG", "false");
     let t = trybuild::TestCases::new();
     t.pass("tests/ui/pass/*.rs");
     for category in [

@@ -1,7 +1,8 @@
 //! Which kernel computes a matrix product, and why.
 //!
 //! On the CPU, products of f32, f16 and bf16 operands run on amp's GEMM ([`amp_kernels::gemm`]): the
-//! best path the CPU has ([`GemmPath::choose`]: `vdpbf16ps` for bf16 on AVX512-BF16, zmm or ymm FMA
+//! best path the CPU has ([`GemmPath::choose`]: AMX tiles for bf16 where the CPU has them, `vdpbf16ps`
+//! for bf16 on AVX512-BF16 where it outruns the FMA, zmm or ymm FMA
 //! otherwise, f16 always through f32), with operands rounded to the compute precision while they are
 //! packed, so no separate cast pass runs. f64 and integer products go to candle.
 //!
@@ -176,6 +177,9 @@ fn automatic(compute: Compute) -> Choice {
     let path = GemmPath::choose(compute);
     let speedup = amp_kernels::gemm::dot_product_speedup();
     let reason = match (compute, path, speedup) {
+        (Compute::Bf16, GemmPath::AmxBf16, _) => {
+            "bf16 products on AMX tiles (tdpbf16ps, 16 x 16 x 32 per instruction)".to_string()
+        }
         (Compute::Bf16, GemmPath::Avx512Bf16, Some(r)) => {
             format!("bf16 products on vdpbf16ps, measured at {r:.2}x the zmm FMA's flop rate on this CPU")
         }

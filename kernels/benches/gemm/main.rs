@@ -2,7 +2,7 @@
 //!
 //! Every shape runs every contender interleaved (A, B, C, ... per round) on a 2-thread rayon pool;
 //! each row is the median of its rounds. "peak" is what the same binary measures for a loop of the
-//! instruction on independent accumulators (`vdpbf16ps` and the widest f32 FMA), timed between shapes
+//! instruction on independent accumulators (AMX `tdpbf16ps`, `vdpbf16ps` and the widest f32 FMA), timed between shapes
 //! so that it sees the same neighbours. Shapes: squares 256..4096, the main job's and a BERT-base
 //! layer's products (forward, and both backward products), and skinny products (m = 16, 64).
 //!
@@ -20,6 +20,7 @@ use candle_core::{DType, Device, Tensor};
 use half::bf16;
 use half::f16;
 
+use peak::Peak;
 use timing::median;
 
 /// How B is read: `Normal` row-major `(k, n)`, `Transposed` a row-major `(n, k)` read as its transpose.
@@ -157,7 +158,7 @@ enum Contender {
 impl Contender {
     fn all() -> Vec<Contender> {
         let mut v = Vec::new();
-        for path in [GemmPath::Avx512Bf16, GemmPath::Avx512, GemmPath::Avx2] {
+        for path in [GemmPath::AmxBf16, GemmPath::Avx512Bf16, GemmPath::Avx512, GemmPath::Avx2] {
             if path.is_supported() {
                 v.push(Contender::Amp(path, Compute::Bf16));
             }
@@ -181,12 +182,16 @@ impl Contender {
         }
     }
 
-    /// Which measured peak bounds it: `vdpbf16ps` for bf16 products where the CPU has it.
-    fn on_bf16_peak(self) -> bool {
+    /// Which measured peak bounds it: AMX's or `vdpbf16ps`'s for the dot-product paths, `vdpbf16ps`'s
+    /// for the peers' bf16 products where the CPU has it, else the FMA's.
+    fn peak(self) -> Peak {
         match self {
-            Contender::Amp(path, _) => path.is_bf16_dot(),
-            Contender::GemmkitBf16 | Contender::CandleBf16 => GemmPath::Avx512Bf16.is_supported(),
-            Contender::CandleF32 => false,
+            Contender::Amp(GemmPath::AmxBf16, _) => Peak::Tile,
+            Contender::Amp(path, _) if path.is_bf16_dot() => Peak::Dot,
+            Contender::GemmkitBf16 | Contender::CandleBf16 if GemmPath::Avx512Bf16.is_supported() => {
+                Peak::Dot
+            }
+            _ => Peak::Fma,
         }
     }
 }
@@ -242,7 +247,7 @@ fn run(quick: bool) {
         let rows: Vec<timing::Row> = contenders
             .iter()
             .zip(times)
-            .map(|(c, t)| timing::Row { name: c.name(), seconds: median(&t), bf16_peak: c.on_bf16_peak() })
+            .map(|(c, t)| timing::Row { name: c.name(), seconds: median(&t), peak: c.peak() })
             .collect();
         timing::print(&rows, dims.flops(), &peaks);
         summary.add(&s.name, dims.flops(), rows);

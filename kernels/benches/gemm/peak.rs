@@ -11,6 +11,18 @@ use amp_kernels::timing::median;
 pub struct Peaks {
     bf16: Vec<f64>,
     fma: Vec<f64>,
+    tile: Vec<f64>,
+}
+
+/// Which peak bounds a contender.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Peak {
+    /// The widest f32 FMA.
+    Fma,
+    /// `vdpbf16ps`.
+    Dot,
+    /// AMX `tdpbf16ps`.
+    Tile,
 }
 
 const ITERS: usize = 2_000_000;
@@ -18,6 +30,17 @@ const ITERS: usize = 2_000_000;
 /// The widest FMA loop this CPU runs.
 fn fma_loop() -> Option<PeakLoop> {
     [PeakLoop::FmaZmm, PeakLoop::FmaYmm].into_iter().find(|l| l.isa().is_supported())
+}
+
+impl Peak {
+    /// The short name in the "% of peak" column.
+    pub fn label(self) -> &'static str {
+        match self {
+            Peak::Fma => "fma",
+            Peak::Dot => "dp",
+            Peak::Tile => "amx",
+        }
+    }
 }
 
 impl Peaks {
@@ -28,6 +51,18 @@ impl Peaks {
         }
         if let Some(g) = fma_loop().and_then(on_two_threads) {
             self.fma.push(g);
+        }
+        if let Some(g) = on_two_threads(PeakLoop::TileAmx) {
+            self.tile.push(g);
+        }
+    }
+
+    /// The median of `peak`'s samples (GFLOP/s), if the CPU has it.
+    pub fn of(&self, peak: Peak) -> Option<f64> {
+        match peak {
+            Peak::Fma => self.fma(),
+            Peak::Dot => self.bf16(),
+            Peak::Tile => (!self.tile.is_empty()).then(|| median(&self.tile)),
         }
     }
 
@@ -49,7 +84,8 @@ impl fmt::Display for Peaks {
         let samples = self.fma.len();
         write!(
             f,
-            "peaks (2 threads, median of {samples} samples): vdpbf16ps {}, {fma} FMA {}",
+            "peaks (2 threads, median of {samples} samples): AMX tdpbf16ps {}, vdpbf16ps {}, {fma} FMA {}",
+            show(self.of(Peak::Tile)),
             show(self.bf16()),
             show(self.fma())
         )
@@ -58,9 +94,11 @@ impl fmt::Display for Peaks {
 
 /// GFLOP/s of `kind` run on two threads at once, or `None` where the CPU lacks it.
 fn on_two_threads(kind: PeakLoop) -> Option<f64> {
-    kind.seconds(ITERS / 100)?; // warm up
+    // The tile loop does 1/6 as many instructions per iteration, each 16 cycles or more.
+    let iters = if kind == PeakLoop::TileAmx { ITERS / 16 } else { ITERS };
+    kind.seconds(iters / 100)?; // warm up
     let start = Instant::now();
-    rayon::join(|| kind.seconds(ITERS), || kind.seconds(ITERS));
+    rayon::join(|| kind.seconds(iters), || kind.seconds(iters));
     let seconds = start.elapsed().as_secs_f64();
-    Some(2.0 * ITERS as f64 * kind.flops_per_iter() / seconds / 1e9)
+    Some(2.0 * iters as f64 * kind.flops_per_iter() / seconds / 1e9)
 }

@@ -48,6 +48,9 @@ pub enum PeakLoop {
     FmaZmm,
     /// `vfmadd231ps ymm` (16 flops).
     FmaYmm,
+    /// AMX `tdpbf16ps` on four independent 16 x 16 accumulator tiles (16,384 flops each); four per
+    /// iteration.
+    TileAmx,
 }
 
 /// Accumulators per loop: more than latency x throughput of any of the instructions.
@@ -61,18 +64,20 @@ impl PeakLoop {
             PeakLoop::Dpbf16 => Isa::Avx512Bf16,
             PeakLoop::FmaZmm => Isa::Avx512,
             PeakLoop::FmaYmm => Isa::Avx2,
+            PeakLoop::TileAmx => Isa::AmxBf16,
         }
     }
 
-    /// Floating-point operations per iteration (24 instructions).
+    /// Floating-point operations per iteration (24 vector instructions, or 4 tile products).
     #[must_use]
     pub fn flops_per_iter(self) -> f64 {
-        let per_instruction = match self {
-            PeakLoop::Dpbf16 => 16 * 2 * 2,
-            PeakLoop::FmaZmm => 16 * 2,
-            PeakLoop::FmaYmm => 8 * 2,
+        let (instructions, per_instruction) = match self {
+            PeakLoop::Dpbf16 => (ACC, 16 * 2 * 2),
+            PeakLoop::FmaZmm => (ACC, 16 * 2),
+            PeakLoop::FmaYmm => (ACC, 8 * 2),
+            PeakLoop::TileAmx => (4, 16 * 16 * 32 * 2),
         };
-        (ACC * per_instruction) as f64
+        (instructions * per_instruction) as f64
     }
 
     /// Seconds for `iters` iterations on this thread, or `None` where the CPU lacks the instruction.
@@ -96,7 +101,8 @@ mod loops {
 
     use super::{PeakLoop, ACC};
 
-    /// Runs the loop; the accumulators come back so that nothing is optimised away.
+    /// Runs the loop; the accumulators come back so that nothing is optimised away (the tile loop is
+    /// assembly, which is never removed).
     pub(super) fn run(kind: PeakLoop, iters: usize) -> ([__m512; ACC], [__m256; ACC]) {
         // SAFETY: `PeakLoop::seconds` calls this only where `kind.isa()` is supported.
         unsafe {
@@ -104,6 +110,10 @@ mod loops {
                 PeakLoop::Dpbf16 => (dpbf16(iters), [_mm256_set1_ps(0.0); ACC]),
                 PeakLoop::FmaZmm => (fma_zmm(iters), [_mm256_set1_ps(0.0); ACC]),
                 PeakLoop::FmaYmm => ([_mm512_set1_ps(0.0); ACC], fma_ymm(iters)),
+                PeakLoop::TileAmx => {
+                    crate::gemm::tile_peak_loop(iters);
+                    ([_mm512_set1_ps(0.0); ACC], [_mm256_set1_ps(0.0); ACC])
+                }
             }
         }
     }

@@ -26,6 +26,22 @@ pub fn dpbf16_lane(acc: f32, a: [bf16; 2], b: [bf16; 2]) -> f32 {
     fma_daz_ftz(a[0].to_f32(), b[0].to_f32(), acc)
 }
 
+/// One element of AMX's `tdpbf16ps` as Intel's pseudo-code writes it: `acc` after adding
+/// `a[0]·b[0]`, then `a[1]·b[1]` (the even `k` first, the opposite of `vdpbf16ps`), each fused, DAZ and
+/// FTZ, on packed pairs as [`dpbf16_pair`] reads them.
+///
+/// Sapphire Rapids does not compute this: measured on one (2026-12-03), its results agree with this
+/// chain on about half of the elements of random 16 x 16 x 32 tile products and differ by an ulp on the
+/// rest; it sums the 32 products of one instruction in an order and with intermediate roundings of its
+/// own (it keeps `2^24 + 1 - 2^24 = 1` inside a pair of `k`, loses it across pairs). The GEMM's AMX
+/// path is therefore held to the f32 accumulation bound, not to bit-identity with this model.
+#[must_use]
+#[inline]
+pub fn tdpbf16_pair(acc: f32, a: u32, b: u32) -> f32 {
+    let acc = fma_daz_ftz(low(a), low(b), acc);
+    fma_daz_ftz(high(a), high(b), acc)
+}
+
 /// [`dpbf16_lane`] on packed pairs: bits 0..16 of `a` and `b` hold the even element, bits 16..32 the
 /// odd one (the layout of a zmm register and of the GEMM's packed panels).
 #[must_use]

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use super::layout::{Dims, MatMut, MatRef};
 use super::micro::{self, Micro, MAX_TILE};
-use super::pack::{Lines, PackInto};
+use super::pack::{self, Lines, PackInto};
 use super::{Compute, GemmPath, Start};
 use crate::{GradSlice, GradSliceMut};
 
@@ -47,14 +47,19 @@ pub(crate) fn run(
     match path {
         GemmPath::Portable => job.run(micro::FmaPortable),
         GemmPath::Avx512Bf16Model => job.run(micro::DotModel),
+        GemmPath::AmxBf16Model => job.run(micro::TileModel),
         #[cfg(target_arch = "x86_64")]
         GemmPath::Avx2 => job.run(micro::FmaAvx2::new().expect(CHECKED)),
         #[cfg(target_arch = "x86_64")]
         GemmPath::Avx512 => job.run(micro::FmaAvx512::new().expect(CHECKED)),
         #[cfg(target_arch = "x86_64")]
         GemmPath::Avx512Bf16 => job.run(micro::DotAvx512Bf16::new().expect(CHECKED)),
+        #[cfg(target_arch = "x86_64")]
+        GemmPath::AmxBf16 => job.run(micro::TileAmx::new().expect(CHECKED)),
         #[cfg(not(target_arch = "x86_64"))]
-        GemmPath::Avx2 | GemmPath::Avx512 | GemmPath::Avx512Bf16 => unreachable!("{CHECKED}"),
+        GemmPath::Avx2 | GemmPath::Avx512 | GemmPath::Avx512Bf16 | GemmPath::AmxBf16 => {
+            unreachable!("{CHECKED}")
+        }
     }
 }
 
@@ -118,7 +123,7 @@ impl Job<'_> {
         if batch == 0 || m == 0 || n == 0 {
             return;
         }
-        let steps = k.div_ceil(M::B.k_per_step);
+        let steps = k.div_ceil(M::B.k_per_step).next_multiple_of(M::B.a_group);
         let (mut a_words, mut b_words) = PACKED.take();
         let a_len = batch * m.div_ceil(M::B.mr) * steps * M::B.mr;
         let b_len = batch * n.div_ceil(M::B.nr) * steps * M::B.nr;
@@ -128,8 +133,10 @@ impl Job<'_> {
         {
             let a_packed = M::Packed::from_words(&mut a_words[..a_len]);
             let b_packed = M::Packed::from_words(&mut b_words[..b_len]);
-            self.pack(&self.a, (m, self.a.row_stride, self.a.col_stride), M::B.mr, a_packed, parallel);
-            self.pack(&self.b, (n, self.b.col_stride, self.b.row_stride), M::B.nr, b_packed, parallel);
+            let a_lines = (m, self.a.row_stride, self.a.col_stride);
+            self.pack(&self.a, a_lines, (M::B.mr, steps, M::B.a_group), a_packed, parallel);
+            let b_lines = (n, self.b.col_stride, self.b.row_stride);
+            self.pack(&self.b, b_lines, (M::B.nr, steps, 1), b_packed, parallel);
             let (a_packed, b_packed) = (&*a_packed, &*b_packed);
             let (m_blocks, n_blocks) = (m.div_ceil(M::B.mc), n.div_ceil(M::B.nc));
             let block = |i: usize| {
@@ -148,29 +155,35 @@ impl Job<'_> {
         PACKED.set((a_words, b_words));
     }
 
-    /// Packs every panel of `op` (lines = rows of A or columns of B: `(count, line stride, k stride)`).
+    /// Packs every panel of `op` (lines = rows of A or columns of B: `(count, line stride, k stride)`)
+    /// into panels of `width` lines and `steps` steps, in groups of `group` steps (`[steps / group]
+    /// [width][group]`).
     fn pack<P: PackInto>(
         &self,
         op: &MatRef<'_>,
         (count, line_stride, k_stride): (usize, usize, usize),
-        width: usize,
+        (width, steps, group): (usize, usize, usize),
         dst: &mut [P],
         parallel: bool,
     ) {
         let k = self.dims.k;
-        let panel_len = k.div_ceil(P::K_PER_STEP) * width;
+        let panel_len = steps * width;
         if panel_len == 0 {
             return;
         }
         let panels = count.div_ceil(width);
+        let compute = self.compute;
         let pack_one = |(i, panel): (usize, &mut [P])| {
             let (batch, p) = (i / panels, i % panels);
             let base = batch * op.batch_stride + p * width * line_stride;
-            let lines = Lines { base, line_stride, k_stride, count: width.min(count - p * width), k };
-            match op.data {
-                GradSlice::F32(s) => P::pack(s, lines, width, self.compute, panel),
-                GradSlice::F16(s) => P::pack(s, lines, width, self.compute, panel),
-                GradSlice::Bf16(s) => P::pack(s, lines, width, self.compute, panel),
+            let lines = Lines { base, line_stride, k_stride, count: width.min(count - p * width), k, steps };
+            match (op.data, group) {
+                (GradSlice::F32(s), 1) => P::pack(s, lines, width, compute, panel),
+                (GradSlice::F16(s), 1) => P::pack(s, lines, width, compute, panel),
+                (GradSlice::Bf16(s), 1) => P::pack(s, lines, width, compute, panel),
+                (GradSlice::F32(s), _) => pack::pack_grouped(s, lines, width, group, compute, panel),
+                (GradSlice::F16(s), _) => pack::pack_grouped(s, lines, width, group, compute, panel),
+                (GradSlice::Bf16(s), _) => pack::pack_grouped(s, lines, width, group, compute, panel),
             }
         };
         if parallel {
@@ -283,6 +296,7 @@ impl Job<'_> {
             return;
         }
         let (a_panels, b_panels) = (self.dims.m.div_ceil(M::B.mr), self.dims.n.div_ceil(M::B.nr));
+        micro.begin();
         let a_panel =
             |p: usize| &a_packed[(blk.batch * a_panels + blk.row / M::B.mr + p) * steps * M::B.mr..];
         let b_panel =
@@ -297,7 +311,8 @@ impl Job<'_> {
                     let a = a_panel(ip)[k0 * M::B.mr..].as_ptr();
                     let rows = M::B.mr.min(blk.rows - ip * M::B.mr);
                     // SAFETY: the tile's origin is inside the block (caller), panels hold `kc` steps from
-                    // `k0` (packed for all `steps`), and the micro-kernel exists only where it runs.
+                    // `k0` (packed for all `steps`), the micro-kernel exists only where it runs, and
+                    // `begin` was called above.
                     unsafe {
                         let tile = c.add(ip * M::B.mr * ldc + jp * M::B.nr);
                         if rows == M::B.mr && cols == M::B.nr {
@@ -309,6 +324,7 @@ impl Job<'_> {
                 }
             }
         }
+        micro.end();
     }
 }
 

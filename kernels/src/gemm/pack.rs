@@ -1,10 +1,13 @@
 //! Packing: operands copied into the panels the micro-kernels read, rounded to the compute precision.
 //!
-//! A panel is `width` lines (rows of A, or columns of B) stored step by step: `dst[s * width + l]`. For
+//! A panel is `width` lines (rows of A, or columns of B) stored step by step, `dst[s * width + l]`, or
+//! (A for the AMX kernel, [`pack_grouped`]) in groups of `G` steps, each group line by line:
+//! `dst[(s / G) * width * G + l * G + s % G]`. For
 //! the f32 kernels a step is one `k` and the value is the operand rounded to [`Compute`] then widened
 //! (exact); for the bf16 dot-product kernels a step is the pair `(k = 2s, k = 2s + 1)` as one `u32`, the
-//! even `k` in the low half. Lines past the operand's edge and the missing partner of an odd last `k`
-//! are zero, so edge tiles need no special case inside the micro-kernel.
+//! even `k` in the low half. Lines past the operand's edge, the missing partner of an odd last `k` and
+//! the steps a panel holds past `k` (padding to the kernel's step multiple) are zero, so edge tiles need
+//! no special case inside the micro-kernel.
 //!
 //! The source is read in the order its memory is laid out: line by line when `k` is contiguous (a
 //! row-major A, a transposed B), step by step otherwise.
@@ -77,14 +80,18 @@ pub(crate) struct Lines {
     pub(crate) count: usize,
     /// Length along `k`.
     pub(crate) k: usize,
+    /// Steps the panel holds: `k` in steps, or more (zero padding).
+    pub(crate) steps: usize,
 }
 
 /// A packed element that can be made from any [`Source`].
 pub(crate) trait PackInto: Copy + Default + Send + Sync {
     /// `k`s per step.
     const K_PER_STEP: usize;
-    /// Packs one panel (`dst.len() == steps * width`).
+    /// Packs one panel step by step (`dst.len() == lines.steps * width`).
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, compute: Compute, dst: &mut [Self]);
+    /// Step `s` of the line whose `k = 0` is at `at`.
+    fn step<S: Source>(src: &[S], at: usize, s: usize, lines: Lines, compute: Compute) -> Self;
     /// A buffer of 32-bit words seen as packed elements (both types are 4 bytes, every bit pattern valid).
     fn from_words(words: &mut [u32]) -> &mut [Self];
 }
@@ -93,7 +100,7 @@ impl PackInto for f32 {
     const K_PER_STEP: usize = 1;
 
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, compute: Compute, dst: &mut [f32]) {
-        prepare(lines, width, 1, dst);
+        let dst = prepare(lines, width, 1, dst);
         let one = |x: S| x.rounded(compute);
         if lines.k_stride == 1 && lines.line_stride != 1 {
             // k contiguous: read each line in order, write with stride `width`.
@@ -120,6 +127,11 @@ impl PackInto for f32 {
         }
     }
 
+    #[inline(always)]
+    fn step<S: Source>(src: &[S], at: usize, s: usize, lines: Lines, compute: Compute) -> f32 {
+        src[at + s * lines.k_stride].rounded(compute)
+    }
+
     fn from_words(words: &mut [u32]) -> &mut [f32] {
         // SAFETY: f32 and u32 have the same size and alignment and every u32 is a valid f32.
         unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), words.len()) }
@@ -136,7 +148,7 @@ impl PackInto for u32 {
     const K_PER_STEP: usize = 2;
 
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, _compute: Compute, dst: &mut [u32]) {
-        prepare(lines, width, 2, dst);
+        let dst = prepare(lines, width, 2, dst);
         let (pairs, odd_k) = (lines.k / 2, lines.k % 2 == 1);
         if lines.k_stride == 1 && lines.line_stride != 1 {
             // k contiguous: each line's pairs are adjacent elements.
@@ -177,17 +189,54 @@ impl PackInto for u32 {
         }
     }
 
+    #[inline(always)]
+    fn step<S: Source>(src: &[S], at: usize, s: usize, lines: Lines, _compute: Compute) -> u32 {
+        let even = at + 2 * s * lines.k_stride;
+        let odd = if 2 * s + 1 < lines.k { src[even + lines.k_stride].bf16_bits() } else { 0 };
+        u32::from(src[even].bf16_bits()) | u32::from(odd) << 16
+    }
+
     fn from_words(words: &mut [u32]) -> &mut [u32] {
         words
     }
 }
 
-/// Zeroes the lines past the operand's edge (the only part of a panel the packing does not write).
-fn prepare<P: Copy + Default>(lines: Lines, width: usize, k_per_step: usize, dst: &mut [P]) {
-    debug_assert_eq!(dst.len(), lines.k.div_ceil(k_per_step) * width);
+/// Zeroes what the packing does not write (lines past the operand's edge, steps past `k`) and returns
+/// the steps it writes.
+fn prepare<P: Copy + Default>(lines: Lines, width: usize, k_per_step: usize, dst: &mut [P]) -> &mut [P] {
+    debug_assert_eq!(dst.len(), lines.steps * width);
+    let (data, padding) = dst.split_at_mut(lines.k.div_ceil(k_per_step) * width);
+    padding.fill(P::default());
     if lines.count < width {
-        for row in dst.chunks_exact_mut(width) {
+        for row in data.chunks_exact_mut(width) {
             row[lines.count..].fill(P::default());
+        }
+    }
+    data
+}
+
+/// Packs one panel in groups of `group` steps, each group line by line (`[steps / group][width][group]`,
+/// `dst.len() == lines.steps * width`, `lines.steps` a multiple of `group`).
+pub(crate) fn pack_grouped<S: Source, P: PackInto>(
+    src: &[S],
+    lines: Lines,
+    width: usize,
+    group: usize,
+    compute: Compute,
+    dst: &mut [P],
+) {
+    debug_assert_eq!((dst.len(), lines.steps % group), (lines.steps * width, 0));
+    let data_steps = lines.k.div_ceil(P::K_PER_STEP);
+    for (g, block) in dst.chunks_exact_mut(width * group).enumerate() {
+        let first = g * group;
+        let present = data_steps.saturating_sub(first).min(group);
+        for (l, line) in block.chunks_exact_mut(group).enumerate() {
+            let (data, padding) = line.split_at_mut(if l < lines.count { present } else { 0 });
+            let at = lines.base + l * lines.line_stride;
+            for (i, out) in data.iter_mut().enumerate() {
+                *out = P::step(src, at, first + i, lines, compute);
+            }
+            padding.fill(P::default());
         }
     }
 }
@@ -200,7 +249,7 @@ mod tests {
     fn pairs_interleave_consecutive_k_and_pad_an_odd_last_k_and_absent_lines_with_zero() {
         // A 2 x 3 row-major matrix packed as rows (k contiguous) into a width-3 panel.
         let src: Vec<bf16> = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0].map(bf16::from_f32).to_vec();
-        let lines = Lines { base: 0, line_stride: 3, k_stride: 1, count: 2, k: 3 };
+        let lines = Lines { base: 0, line_stride: 3, k_stride: 1, count: 2, k: 3, steps: 2 };
         let mut dst = vec![u32::MAX; 2 * 3];
         u32::pack(&src, lines, 3, Compute::Bf16, &mut dst);
         let pair = |even: f32, odd: f32| {
@@ -210,12 +259,33 @@ mod tests {
     }
 
     #[test]
+    fn grouped_panels_hold_each_group_line_by_line_and_pad_steps_and_lines_with_zero() {
+        // A 3 x 5 row-major f32 matrix (k = 5) packed as rows into a width-4 panel of 2 groups of 4 steps.
+        let src: Vec<f32> = (0..15).map(|x| x as f32).collect();
+        let lines = Lines { base: 0, line_stride: 5, k_stride: 1, count: 3, k: 5, steps: 8 };
+        let mut dst = vec![f32::NAN; 8 * 4];
+        pack_grouped(&src, lines, 4, 4, Compute::F32, &mut dst);
+        #[rustfmt::skip]
+        let want = [
+            0.0, 1.0, 2.0, 3.0,   5.0, 6.0, 7.0, 8.0,   10.0, 11.0, 12.0, 13.0,   0.0, 0.0, 0.0, 0.0,
+            4.0, 0.0, 0.0, 0.0,   9.0, 0.0, 0.0, 0.0,   14.0, 0.0, 0.0, 0.0,      0.0, 0.0, 0.0, 0.0,
+        ];
+        assert_eq!(dst, want);
+        // One group of width 1 is the step-major layout.
+        let (mut grouped, mut step_major) = (vec![0.0f32; 12], vec![0.0f32; 12]);
+        let lines = Lines { base: 0, line_stride: 5, k_stride: 1, count: 3, k: 4, steps: 4 };
+        pack_grouped(&src, lines, 3, 1, Compute::F32, &mut grouped);
+        f32::pack(&src, lines, 3, Compute::F32, &mut step_major);
+        assert_eq!(grouped, step_major);
+    }
+
+    #[test]
     fn both_read_orders_pack_the_same_panel() {
         // The same 3 x 4 matrix stored row-major and column-major, packed as rows.
         let rows: Vec<f32> = (0..12).map(|x| x as f32 * 0.5).collect();
         let cols: Vec<f32> = (0..12).map(|i| rows[(i % 3) * 4 + i / 3]).collect();
-        let by_row = Lines { base: 0, line_stride: 4, k_stride: 1, count: 3, k: 4 };
-        let by_col = Lines { base: 0, line_stride: 1, k_stride: 3, count: 3, k: 4 };
+        let by_row = Lines { base: 0, line_stride: 4, k_stride: 1, count: 3, k: 4, steps: 4 };
+        let by_col = Lines { base: 0, line_stride: 1, k_stride: 3, count: 3, k: 4, steps: 4 };
         let (mut x, mut y) = (vec![0.0f32; 16], vec![0.0f32; 16]);
         f32::pack(&rows, by_row, 4, Compute::F32, &mut x);
         f32::pack(&cols, by_col, 4, Compute::F32, &mut y);

@@ -20,6 +20,16 @@ pub enum Compute {
 /// A GEMM code path: a micro-kernel and the packing it reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmPath {
+    /// AMX `tdpbf16ps`: 32 x 32 tiles of C in four tile registers, each instruction a 16 x 16 x 32
+    /// product; A packed in groups of 16 steps, each one tile (16 rows x 32 `k`), B as for `vdpbf16ps`,
+    /// `k` padded to multiples of 32. Bf16 products only.
+    AmxBf16,
+    /// The [`GemmPath::AmxBf16`] algorithm (same packing, padding, blocking, tiles and threading) with
+    /// each tile product computed as Intel's pseudo-code for `tdpbf16ps` writes it
+    /// ([`super::tdpbf16_pair`]). Runs on any CPU; not bit-identical to the hardware, whose summation
+    /// order inside one instruction differs (both are held to the same f32 accumulation bound). Slow;
+    /// for tests.
+    AmxBf16Model,
     /// `vdpbf16ps`: 6 x 64 tiles of f32 accumulators, two bf16 products per lane per instruction, both
     /// operands packed with k-pairs interleaved. Bf16 products only.
     Avx512Bf16,
@@ -38,20 +48,24 @@ pub enum GemmPath {
 
 impl GemmPath {
     /// Every path, fastest first.
-    pub const ALL: [GemmPath; 5] = [
+    pub const ALL: [GemmPath; 7] = [
+        GemmPath::AmxBf16,
         GemmPath::Avx512Bf16,
         GemmPath::Avx512,
         GemmPath::Avx2,
         GemmPath::Portable,
         GemmPath::Avx512Bf16Model,
+        GemmPath::AmxBf16Model,
     ];
 
-    /// The fastest path this CPU has for `compute`: for bf16 the `vdpbf16ps` path where the CPU has it
-    /// and it outruns the zmm FMA ([`super::dot_product_speedup`]), else the widest FMA path.
+    /// The fastest path this CPU has for `compute`: for bf16 AMX where the CPU has it, else the
+    /// `vdpbf16ps` path where the CPU has it and it outruns the zmm FMA
+    /// ([`super::dot_product_speedup`]), else the widest FMA path.
     #[must_use]
     pub fn choose(compute: Compute) -> GemmPath {
         let dot_pays = || super::dot_product_speedup().is_some_and(|r| r >= super::DOT_PAYS);
         let isa = match Isa::detect() {
+            Isa::AmxBf16 if compute != Compute::Bf16 => Isa::Avx512,
             Isa::Avx512Bf16 if compute == Compute::Bf16 && !dot_pays() => Isa::Avx512,
             isa => isa,
         };
@@ -63,8 +77,9 @@ impl GemmPath {
     #[must_use]
     pub fn choose_for(compute: Compute, isa: Isa) -> GemmPath {
         match isa {
+            Isa::AmxBf16 if compute == Compute::Bf16 => GemmPath::AmxBf16,
             Isa::Avx512Bf16 if compute == Compute::Bf16 => GemmPath::Avx512Bf16,
-            Isa::Avx512Bf16 | Isa::Avx512 => GemmPath::Avx512,
+            Isa::AmxBf16 | Isa::Avx512Bf16 | Isa::Avx512 => GemmPath::Avx512,
             Isa::Avx2 => GemmPath::Avx2,
             Isa::Portable => GemmPath::Portable,
         }
@@ -74,17 +89,22 @@ impl GemmPath {
     #[must_use]
     pub fn isa(self) -> Isa {
         match self {
+            GemmPath::AmxBf16 => Isa::AmxBf16,
             GemmPath::Avx512Bf16 => Isa::Avx512Bf16,
             GemmPath::Avx512 => Isa::Avx512,
             GemmPath::Avx2 => Isa::Avx2,
-            GemmPath::Portable | GemmPath::Avx512Bf16Model => Isa::Portable,
+            GemmPath::Portable | GemmPath::Avx512Bf16Model | GemmPath::AmxBf16Model => Isa::Portable,
         }
     }
 
-    /// Whether this path multiplies bf16 pairs (`vdpbf16ps` or its model) rather than f32 values.
+    /// Whether this path multiplies bf16 pairs (`vdpbf16ps`, AMX or their models) rather than f32
+    /// values.
     #[must_use]
     pub fn is_bf16_dot(self) -> bool {
-        matches!(self, GemmPath::Avx512Bf16 | GemmPath::Avx512Bf16Model)
+        matches!(
+            self,
+            GemmPath::AmxBf16 | GemmPath::AmxBf16Model | GemmPath::Avx512Bf16 | GemmPath::Avx512Bf16Model
+        )
     }
 
     /// Whether this CPU can run the path.
@@ -115,6 +135,8 @@ impl GemmPath {
 impl fmt::Display for GemmPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            GemmPath::AmxBf16 => "amx-bf16 (tdpbf16ps)",
+            GemmPath::AmxBf16Model => "amx-bf16 software model",
             GemmPath::Avx512Bf16 => "avx512-bf16 (vdpbf16ps)",
             GemmPath::Avx512Bf16Model => "avx512-bf16 software model",
             GemmPath::Avx512 => "avx512 f32 fma",
@@ -130,6 +152,9 @@ mod tests {
 
     #[test]
     fn bf16_products_take_the_dot_product_only_where_the_cpu_has_it() {
+        assert_eq!(GemmPath::choose_for(Compute::Bf16, Isa::AmxBf16), GemmPath::AmxBf16);
+        assert_eq!(GemmPath::choose_for(Compute::F16, Isa::AmxBf16), GemmPath::Avx512);
+        assert_eq!(GemmPath::choose_for(Compute::F32, Isa::AmxBf16), GemmPath::Avx512);
         assert_eq!(GemmPath::choose_for(Compute::Bf16, Isa::Avx512Bf16), GemmPath::Avx512Bf16);
         assert_eq!(GemmPath::choose_for(Compute::Bf16, Isa::Avx512), GemmPath::Avx512);
         assert_eq!(GemmPath::choose_for(Compute::Bf16, Isa::Avx2), GemmPath::Avx2);
@@ -139,10 +164,12 @@ mod tests {
     }
 
     #[test]
-    fn the_model_runs_everywhere_but_only_for_bf16_products() {
-        assert!(GemmPath::Avx512Bf16Model.check(Compute::Bf16).is_ok());
-        let err = GemmPath::Avx512Bf16Model.check(Compute::F32).unwrap_err();
-        assert!(err.to_string().contains("bf16 pairs only"), "{err}");
+    fn the_models_run_everywhere_but_only_for_bf16_products() {
+        for model in [GemmPath::Avx512Bf16Model, GemmPath::AmxBf16Model] {
+            assert!(model.check(Compute::Bf16).is_ok());
+            let err = model.check(Compute::F32).unwrap_err();
+            assert!(err.to_string().contains("bf16 pairs only"), "{err}");
+        }
     }
 
     #[test]

@@ -1,21 +1,28 @@
 //! Register-blocked micro-kernels: one `MR x NR` tile of C from packed panels of A and B.
 //!
-//! A packed A panel holds `MR` rows step by step (`[steps][MR]`), a packed B panel `NR` columns
-//! (`[steps][NR]`). A step is one `k` for the f32 kernels and a pair of consecutive `k`s for the bf16
-//! dot-product kernels (element type `u32`: the even `k` in the low half, the odd one in the high half).
-//! Each element of C is one chain of fused multiply-adds in step order, starting from C (when `load`)
-//! or from zero, so kernels with the same step semantics give bit-identical results whatever their tile.
+//! A packed B panel holds `NR` columns step by step (`[steps][NR]`); a packed A panel holds `MR` rows
+//! in groups of `G` steps (`[steps / G][MR][G]`): `G = 1` for the register kernels, which broadcast one
+//! A value per row and step, `G = 16` for the AMX kernel, whose A tiles are 16 rows of 16 consecutive
+//! steps, 64 bytes apart. A step is
+//! one `k` for the f32 kernels and a pair of consecutive `k`s for the bf16 dot-product kernels (element
+//! type `u32`: the even `k` in the low half, the odd one in the high half). In the register kernels each
+//! element of C is one chain of fused multiply-adds in step order, starting from C (when `load`) or from
+//! zero, so kernels with the same step semantics give bit-identical results whatever their tile.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub(crate) use portable::{DotModel, FmaPortable};
+#[cfg(target_arch = "x86_64")]
+pub(crate) use amx::{peak_loop as tile_peak_loop, TileAmx};
+pub(crate) use portable::{DotModel, FmaPortable, TileModel};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{DotAvx512Bf16, FmaAvx2, FmaAvx512};
 
 /// The largest `MR * NR` of any kernel: the size of an edge tile's scratch.
-pub(crate) const MAX_TILE: usize = 6 * 64;
+pub(crate) const MAX_TILE: usize = 32 * 32;
 
 /// A micro-kernel's tile and the blocking around it.
 #[derive(Clone, Copy, Debug)]
@@ -32,14 +39,25 @@ pub(crate) struct Blocking {
     pub(crate) mc: usize,
     /// Columns per parallel block of C (a multiple of `nr`).
     pub(crate) nc: usize,
+    /// Steps per group of a packed A panel (`[steps / G][MR][G]`). Panels hold a multiple of `G` steps
+    /// (the padding is zero), and `kc` is one too.
+    pub(crate) a_group: usize,
 }
 
 /// 6 x 16 f32 tiles (two ymm per row): a 256-step B micro-panel is 16 KiB.
-pub(crate) const F32_6X16: Blocking = Blocking { mr: 6, nr: 16, k_per_step: 1, kc: 256, mc: 96, nc: 256 };
+pub(crate) const F32_6X16: Blocking =
+    Blocking { mr: 6, nr: 16, k_per_step: 1, kc: 256, mc: 96, nc: 256, a_group: 1 };
 /// 6 x 64 f32 tiles (four zmm per row): a 128-step B micro-panel is 32 KiB.
-pub(crate) const F32_6X64: Blocking = Blocking { mr: 6, nr: 64, k_per_step: 1, kc: 128, mc: 96, nc: 256 };
+pub(crate) const F32_6X64: Blocking =
+    Blocking { mr: 6, nr: 64, k_per_step: 1, kc: 128, mc: 96, nc: 256, a_group: 1 };
 /// 6 x 64 tiles of bf16 pairs (four zmm per row): a 128-step B micro-panel is 32 KiB.
-pub(crate) const PAIRS_6X64: Blocking = Blocking { mr: 6, nr: 64, k_per_step: 2, kc: 128, mc: 96, nc: 256 };
+pub(crate) const PAIRS_6X64: Blocking =
+    Blocking { mr: 6, nr: 64, k_per_step: 2, kc: 128, mc: 96, nc: 256, a_group: 1 };
+
+/// 32 x 32 tiles of bf16 pairs as four 16 x 16 AMX tiles of C, A in groups of 16 steps (32 `k`, one
+/// tile product): a 256-step B micro-panel is 32 KiB, and so is an A micro-panel.
+pub(crate) const AMX_32X32: Blocking =
+    Blocking { mr: 32, nr: 32, k_per_step: 2, kc: 256, mc: 128, nc: 256, a_group: 16 };
 
 /// A micro-kernel and its blocking. Values of implementing types exist only where the CPU runs them
 /// (their constructors check), which is what makes [`Micro::tile`] callable.
@@ -52,8 +70,9 @@ pub(crate) trait Micro: Copy + Send + Sync {
     /// `C[MR x NR] = (load ? C : 0) + A·B` over `steps` packed steps.
     ///
     /// # Safety
-    /// `a` is valid for `steps * MR` reads, `b` for `steps * NR`, and `c` for `MR` rows of `NR` f32
-    /// writes at distance `ldc`.
+    /// `a` is valid for `steps * MR` reads, `b` for `steps * NR`, and `c` for `MR` rows
+    /// of `NR` f32 writes at distance `ldc`; [`Micro::begin`] was called on this thread since the last
+    /// [`Micro::end`].
     unsafe fn tile(
         self,
         steps: usize,
@@ -63,4 +82,11 @@ pub(crate) trait Micro: Copy + Send + Sync {
         ldc: usize,
         load: bool,
     );
+
+    /// Prepares this thread before a block's tiles (AMX loads its tile configuration). Nothing for the
+    /// register kernels.
+    fn begin(self) {}
+
+    /// After a block's tiles (AMX releases the tile state).
+    fn end(self) {}
 }

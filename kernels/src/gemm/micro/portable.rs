@@ -1,7 +1,8 @@
-//! Micro-kernels in plain Rust: f32 FMA chains, and the software model of the `vdpbf16ps` kernel.
+//! Micro-kernels in plain Rust: f32 FMA chains, and the software models of the `vdpbf16ps` and AMX
+//! kernels.
 
-use super::{Blocking, Micro, F32_6X16, PAIRS_6X64};
-use crate::gemm::dpbf16::dpbf16_pair;
+use super::{Blocking, Micro, AMX_32X32, F32_6X16, PAIRS_6X64};
+use crate::gemm::dpbf16::{dpbf16_pair, tdpbf16_pair};
 
 /// f32 fused multiply-adds, 6 x 16 tiles (LLVM vectorises the 16 columns where it can).
 #[derive(Clone, Copy, Debug)]
@@ -11,6 +12,13 @@ pub(crate) struct FmaPortable;
 /// tiles and blocking as [`super::DotAvx512Bf16`], bit-identical results.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct DotModel;
+
+/// The AMX kernel's algorithm (A in groups of 16 steps, 32 x 32 tiles, the same blocking) with
+/// each element summed as Intel's pseudo-code for `tdpbf16ps` writes it ([`tdpbf16_pair`]). It tests the
+/// AMX path's packing, padding, blocking and edges on any CPU; it is not bit-identical to the hardware,
+/// which sums a tile product's 32 terms in an order of its own (see [`tdpbf16_pair`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TileModel;
 
 /// The portable tile loop: `acc[r][j] = step(acc[r][j], a[r], b[j])` for every step.
 ///
@@ -67,5 +75,33 @@ impl Micro for DotModel {
     unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
         // SAFETY: forwarded from the caller.
         unsafe { tile_with::<u32, 6, 64>(steps, a, b, c, ldc, load, dpbf16_pair) }
+    }
+}
+
+impl Micro for TileModel {
+    type Packed = u32;
+    const B: Blocking = AMX_32X32;
+
+    unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
+        const MR: usize = AMX_32X32.mr;
+        const NR: usize = AMX_32X32.nr;
+        const GROUP: usize = AMX_32X32.a_group;
+        // SAFETY: the caller guarantees `steps` steps of MR lines (A, in groups) and NR columns (B), and
+        // MR rows of NR floats of C at distance ldc.
+        let (a, b) =
+            unsafe { (std::slice::from_raw_parts(a, steps * MR), std::slice::from_raw_parts(b, steps * NR)) };
+        for r in 0..MR {
+            // SAFETY: row r of C, as above.
+            let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), NR) };
+            if !load {
+                row.fill(0.0);
+            }
+            for (s, b_row) in b.chunks_exact(NR).enumerate() {
+                let x = a[(s / GROUP) * MR * GROUP + r * GROUP + s % GROUP];
+                for (acc, &y) in row.iter_mut().zip(b_row) {
+                    *acc = tdpbf16_pair(*acc, x, y);
+                }
+            }
+        }
     }
 }

@@ -1,0 +1,162 @@
+//! The AMX micro-kernel: a 32 x 32 tile of C in four 16 x 16 f32 tile registers, `tdpbf16ps` on two
+//! A tiles (16 lines x 16 bf16 pairs, one group of the A panel: 1 KiB, rows 64 bytes apart) and two B
+//! tiles (16 steps x 16 columns of pairs from the step-major B panel, rows 128 bytes apart).
+//!
+//! The tile instructions have no stable intrinsics yet, so they are written as inline assembly. Tile
+//! registers are never allocated by the compiler, so they keep their values between the `asm!` blocks of
+//! one tile. Register use: tmm0..tmm3 the four quarters of C, tmm4 and tmm5 the two A tiles (lines 0..16
+//! and 16..32), tmm6 and tmm7 the two B tiles (columns 0..16 and 16..32).
+
+use std::arch::asm;
+
+use super::{Blocking, Micro, AMX_32X32};
+use crate::Isa;
+
+/// AMX `tdpbf16ps`, 32 x 32 tiles. Constructible only where [`Isa::AmxBf16`] runs (the CPU has AMX and
+/// the process has the OS's permission).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TileAmx(());
+
+impl TileAmx {
+    pub(crate) fn new() -> Option<Self> {
+        Isa::AmxBf16.is_supported().then_some(TileAmx(()))
+    }
+}
+
+/// A tile configuration (`ldtilecfg`'s 64-byte operand): palette 1, eight tiles of 16 rows x 64 bytes.
+#[repr(C, align(64))]
+struct Config([u8; 64]);
+
+static CONFIG: Config = {
+    let mut bytes = [0u8; 64];
+    bytes[0] = 1; // palette
+    let mut t = 0;
+    while t < 8 {
+        bytes[16 + 2 * t] = 64; // bytes per row (little-endian u16)
+        bytes[48 + t] = 16; // rows
+        t += 1;
+    }
+    Config(bytes)
+};
+
+/// Steps per tile product (and per group of the A panel).
+const GROUP: usize = AMX_32X32.a_group;
+/// Bytes between rows of an A tile: one line of a group.
+const A_ROW_BYTES: usize = GROUP * 4;
+/// Bytes between rows of a B tile: one step of the 32-column panel.
+const B_ROW_BYTES: usize = AMX_32X32.nr * 4;
+
+impl Micro for TileAmx {
+    type Packed = u32;
+    const B: Blocking = AMX_32X32;
+
+    fn begin(self) {
+        // SAFETY: a `TileAmx` exists only where AMX runs and the process may use tile data; CONFIG is a
+        // valid palette-1 configuration.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly, preserves_flags)) }
+    }
+
+    fn end(self) {
+        // SAFETY: as in `begin`; releasing returns the tile state to its initial (unused) state.
+        unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) }
+    }
+
+    unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
+        debug_assert_eq!(steps % GROUP, 0, "AMX panels are padded to whole groups");
+        let c_row_bytes = ldc * 4;
+        // SAFETY (whole body): `begin` configured the tiles on this thread; C holds 32 rows of 32 floats
+        // `ldc` apart, A `steps / 16` groups of 32 lines x 16 pairs and B `steps` rows of 32 pairs (the
+        // caller's guarantee), so every tile row loaded or stored lies inside them.
+        unsafe {
+            let c_low = c.add(16 * ldc);
+            if load {
+                asm!(
+                    "tileloadd tmm0, [{c0} + {stride}*1]",
+                    "tileloadd tmm1, [{c1} + {stride}*1]",
+                    "tileloadd tmm2, [{c2} + {stride}*1]",
+                    "tileloadd tmm3, [{c3} + {stride}*1]",
+                    c0 = in(reg) c,
+                    c1 = in(reg) c.add(16),
+                    c2 = in(reg) c_low,
+                    c3 = in(reg) c_low.add(16),
+                    stride = in(reg) c_row_bytes,
+                    options(nostack, readonly, preserves_flags),
+                );
+            } else {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem, preserves_flags)
+                );
+            }
+            for group in 0..steps / GROUP {
+                let a0 = a.add(group * GROUP * AMX_32X32.mr);
+                let b0 = b.add(group * GROUP * AMX_32X32.nr);
+                asm!(
+                    "tileloadd tmm4, [{a0} + {sa}*1]",
+                    "tileloadd tmm5, [{a1} + {sa}*1]",
+                    "tileloadd tmm6, [{b0} + {sb}*1]",
+                    "tileloadd tmm7, [{b1} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a0,
+                    a1 = in(reg) a0.add(16 * GROUP),
+                    b0 = in(reg) b0,
+                    b1 = in(reg) b0.add(16),
+                    sa = in(reg) A_ROW_BYTES,
+                    sb = in(reg) B_ROW_BYTES,
+                    options(nostack, readonly, preserves_flags),
+                );
+            }
+            asm!(
+                "tilestored [{c0} + {stride}*1], tmm0",
+                "tilestored [{c1} + {stride}*1], tmm1",
+                "tilestored [{c2} + {stride}*1], tmm2",
+                "tilestored [{c3} + {stride}*1], tmm3",
+                c0 = in(reg) c,
+                c1 = in(reg) c.add(16),
+                c2 = in(reg) c_low,
+                c3 = in(reg) c_low.add(16),
+                stride = in(reg) c_row_bytes,
+                options(nostack, preserves_flags),
+            );
+        }
+    }
+}
+
+/// `iters` rounds of four independent `tdpbf16ps` on zeroed tiles: the instruction's peak rate.
+///
+/// # Safety
+/// [`Isa::AmxBf16`] must be supported.
+pub(crate) unsafe fn peak_loop(iters: usize) {
+    let amx = TileAmx(());
+    amx.begin();
+    // SAFETY: tiles configured by `begin`; only tile registers are touched.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "tilezero tmm4",
+            "tilezero tmm5",
+            "tilezero tmm6",
+            "tilezero tmm7",
+            options(nostack, nomem, preserves_flags)
+        );
+        for _ in 0..iters {
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                options(nostack, nomem, preserves_flags)
+            );
+        }
+    }
+    amx.end();
+}
