@@ -30,13 +30,23 @@ impl Source for f32 {
         match compute {
             Compute::F32 => self,
             Compute::F16 => f16::from_f32(self).to_f32(),
-            Compute::Bf16 => bf16::from_f32(self).to_f32(),
+            Compute::Bf16 => f32::from_bits(u32::from(bf16_bits_of(self)) << 16),
         }
     }
     #[inline(always)]
     fn bf16_bits(self) -> u16 {
-        bf16::from_f32(self).to_bits()
+        bf16_bits_of(self)
     }
+}
+
+/// `bf16::from_f32(x).to_bits()` without branches, so that packing loops vectorise: round to nearest
+/// even on the bits; a NaN keeps its sign and top payload bits and is made quiet, as `half` does.
+#[inline(always)]
+fn bf16_bits_of(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+    let nan = (bits >> 16) | 0x40;
+    (if bits & 0x7FFF_FFFF > 0x7F80_0000 { nan } else { rounded }) as u16
 }
 
 impl Source for f16 {
@@ -92,6 +102,18 @@ pub(crate) trait PackInto: Copy + Default + Send + Sync {
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, compute: Compute, dst: &mut [Self]);
     /// Step `s` of the line whose `k = 0` is at `at`.
     fn step<S: Source>(src: &[S], at: usize, s: usize, lines: Lines, compute: Compute) -> Self;
+    /// Consecutive steps from a run of consecutive `k` (`out.len() == run.len().div_ceil(K_PER_STEP)`).
+    fn from_run<S: Source>(run: &[S], compute: Compute, out: &mut [Self]);
+    /// Step `s` of every line of a panel whose lines are contiguous (`line_stride == 1`), line `l` into
+    /// `out[l * stride]`.
+    fn across_lines<S: Source>(
+        src: &[S],
+        s: usize,
+        lines: Lines,
+        compute: Compute,
+        out: &mut [Self],
+        stride: usize,
+    );
     /// A buffer of 32-bit words seen as packed elements (both types are 4 bytes, every bit pattern valid).
     fn from_words(words: &mut [u32]) -> &mut [Self];
 }
@@ -130,6 +152,26 @@ impl PackInto for f32 {
     #[inline(always)]
     fn step<S: Source>(src: &[S], at: usize, s: usize, lines: Lines, compute: Compute) -> f32 {
         src[at + s * lines.k_stride].rounded(compute)
+    }
+
+    fn from_run<S: Source>(run: &[S], compute: Compute, out: &mut [f32]) {
+        for (out, &x) in out.iter_mut().zip(run) {
+            *out = x.rounded(compute);
+        }
+    }
+
+    fn across_lines<S: Source>(
+        src: &[S],
+        s: usize,
+        lines: Lines,
+        compute: Compute,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let run = &src[lines.base + s * lines.k_stride..][..lines.count];
+        for (out, &x) in out.iter_mut().step_by(stride).zip(run) {
+            *out = x.rounded(compute);
+        }
     }
 
     fn from_words(words: &mut [u32]) -> &mut [f32] {
@@ -196,6 +238,38 @@ impl PackInto for u32 {
         u32::from(src[even].bf16_bits()) | u32::from(odd) << 16
     }
 
+    fn from_run<S: Source>(run: &[S], _compute: Compute, out: &mut [u32]) {
+        let mut outs = out.iter_mut();
+        for (two, out) in run.chunks_exact(2).zip(outs.by_ref()) {
+            *out = pair(two[0], two[1]);
+        }
+        if let ([last], Some(out)) = (run.chunks_exact(2).remainder(), outs.next()) {
+            *out = u32::from(last.bf16_bits());
+        }
+    }
+
+    fn across_lines<S: Source>(
+        src: &[S],
+        s: usize,
+        lines: Lines,
+        _compute: Compute,
+        out: &mut [u32],
+        stride: usize,
+    ) {
+        let even = &src[lines.base + 2 * s * lines.k_stride..][..lines.count];
+        let outs = out.iter_mut().step_by(stride);
+        if 2 * s + 1 < lines.k {
+            let odd = &src[lines.base + (2 * s + 1) * lines.k_stride..][..lines.count];
+            for ((out, &e), &o) in outs.zip(even).zip(odd) {
+                *out = pair(e, o);
+            }
+        } else {
+            for (out, &e) in outs.zip(even) {
+                *out = u32::from(e.bf16_bits());
+            }
+        }
+    }
+
     fn from_words(words: &mut [u32]) -> &mut [u32] {
         words
     }
@@ -230,13 +304,31 @@ pub(crate) fn pack_grouped<S: Source, P: PackInto>(
     for (g, block) in dst.chunks_exact_mut(width * group).enumerate() {
         let first = g * group;
         let present = data_steps.saturating_sub(first).min(group);
-        for (l, line) in block.chunks_exact_mut(group).enumerate() {
-            let (data, padding) = line.split_at_mut(if l < lines.count { present } else { 0 });
-            let at = lines.base + l * lines.line_stride;
-            for (i, out) in data.iter_mut().enumerate() {
-                *out = P::step(src, at, first + i, lines, compute);
+        if lines.k_stride == 1 {
+            // k contiguous: each line's part of the group is one run of the source.
+            let (k0, k1) = (first * P::K_PER_STEP, ((first + present) * P::K_PER_STEP).min(lines.k));
+            for (l, line) in block.chunks_exact_mut(group).enumerate() {
+                let (data, padding) = line.split_at_mut(if l < lines.count { present } else { 0 });
+                if !data.is_empty() {
+                    let at = lines.base + l * lines.line_stride;
+                    P::from_run(&src[at + k0..at + k1], compute, data);
+                }
+                padding.fill(P::default());
             }
-            padding.fill(P::default());
+        } else if lines.line_stride == 1 {
+            // Lines contiguous: step by step, each step's lines one run of the source.
+            block.fill(P::default());
+            for i in 0..present {
+                P::across_lines(src, first + i, lines, compute, &mut block[i..], group);
+            }
+        } else {
+            block.fill(P::default());
+            for i in 0..present {
+                for l in 0..lines.count {
+                    let at = lines.base + l * lines.line_stride;
+                    block[l * group + i] = P::step(src, at, first + i, lines, compute);
+                }
+            }
         }
     }
 }
@@ -291,6 +383,24 @@ mod tests {
         f32::pack(&cols, by_col, 4, Compute::F32, &mut y);
         assert_eq!(x, y);
         assert_eq!(&x[..4], &[0.0, 2.0, 4.0, 0.0]);
+    }
+
+    #[test]
+    fn the_branch_free_bf16_rounding_is_halfs() {
+        let mut bits = 0x0123_4567u32;
+        let specials =
+            [0.0f32, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::MAX, f32::MIN];
+        let edges =
+            [0x7F7F_8000u32, 0x7F7F_7FFF, 0x0000_8000, 0x3F80_8000, 0x3F81_8000, 0x7F80_0001, 0xFFC0_0001];
+        let randoms = (0..200_000).map(|_| {
+            bits ^= bits << 13;
+            bits ^= bits >> 17;
+            bits ^= bits << 5;
+            bits
+        });
+        for x in specials.into_iter().chain(edges.into_iter().chain(randoms).map(f32::from_bits)) {
+            assert_eq!(x.bf16_bits(), bf16::from_f32(x).to_bits(), "{x:e} ({:#010x})", x.to_bits());
+        }
     }
 
     #[test]
