@@ -3,8 +3,8 @@
 //! measured side by side in one run.
 //!
 //! The fp32 baseline is the faster of candle's matmul and amp's f32 GEMM (both are timed); the mixed
-//! runs use amp's dispatch (`vdpbf16ps` for bf16 where the CPU has it). Every run steps in turn (A, B,
-//! C, ... per round) on a 2-thread rayon pool; medians.
+//! runs use amp's dispatch (AMX or `vdpbf16ps` for bf16 where the CPU has them). Every run steps in
+//! turn (A, B, C, ... per round) on a 2-thread rayon pool; medians.
 //!
 //! Run: `cargo bench --bench mlp_step` (about a minute).
 
