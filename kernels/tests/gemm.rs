@@ -195,26 +195,11 @@ fn the_avx512_bf16_kernel_is_bit_identical_to_its_software_model() {
         for accumulate in [false, true] {
             for case in edge_cases(Compute::Bf16, out, accumulate) {
                 for special_values in [false, true] {
-                    let mut x = inputs(&case, &mut rng, -8, 8);
-                    if special_values {
-                        let Dims { batch, m, n, k } = case.dims;
-                        let values = |rng: &mut Rng, len| (0..len).map(|_| special(rng)).collect::<Vec<_>>();
-                        x.a = Stored::new(
-                            &values(&mut rng, batch * m * k),
-                            Dtype::Bf16,
-                            (batch, m, k),
-                            case.a.1,
-                            1,
-                        );
-                        x.b = Stored::new(
-                            &values(&mut rng, batch * k * n),
-                            Dtype::Bf16,
-                            (batch, k, n),
-                            case.b.1,
-                            0,
-                        );
-                        x.c0 = values(&mut rng, batch * m * n);
-                    }
+                    let x = if special_values {
+                        inputs_of(&case, &mut rng, special)
+                    } else {
+                        inputs(&case, &mut rng, -8, 8)
+                    };
                     let hw = run(GemmPath::Avx512Bf16, &case, &x);
                     let model = run(GemmPath::Avx512Bf16Model, &case, &x);
                     assert_same(&format!("{case:?} special={special_values}"), &hw, &model);
@@ -258,14 +243,7 @@ fn the_amx_kernel_is_within_the_bound_and_has_its_models_nan_and_infinities() {
                 same_bits += hw.iter().zip(&model).filter(|(h, m)| h.to_bits() == m.to_bits()).count();
                 elements += hw.len();
 
-                let Dims { batch, m, n, k } = case.dims;
-                let values =
-                    |rng: &mut Rng, len| (0..len).map(|_| special_but_small(rng)).collect::<Vec<_>>();
-                let x = Inputs {
-                    a: Stored::new(&values(&mut rng, batch * m * k), Dtype::Bf16, (batch, m, k), case.a.1, 1),
-                    b: Stored::new(&values(&mut rng, batch * k * n), Dtype::Bf16, (batch, k, n), case.b.1, 0),
-                    c0: values(&mut rng, batch * m * n),
-                };
+                let x = inputs_of(&case, &mut rng, special_but_small);
                 let (hw, model) = (run(GemmPath::AmxBf16, &case, &x), run(GemmPath::AmxBf16Model, &case, &x));
                 for (i, (h, m)) in hw.iter().zip(&model).enumerate() {
                     let class = |v: f32| {
@@ -286,6 +264,15 @@ fn the_amx_kernel_is_within_the_bound_and_has_its_models_nan_and_infinities() {
         "AMX and the pseudo-code model agree bit for bit on {same_bits} of {elements} elements ({:.1}%)",
         100.0 * same_bits as f64 / elements as f64
     );
+}
+
+/// Bf16 operands and a C drawn value by value from `value`.
+fn inputs_of(case: &Case, rng: &mut Rng, value: fn(&mut Rng) -> f32) -> Inputs {
+    let Dims { batch, m, n, k } = case.dims;
+    let mut values = |len| (0..len).map(|_| value(rng)).collect::<Vec<_>>();
+    let a = Stored::new(&values(batch * m * k), Dtype::Bf16, (batch, m, k), case.a.1, 1);
+    let b = Stored::new(&values(batch * k * n), Dtype::Bf16, (batch, k, n), case.b.1, 0);
+    Inputs { a, b, c0: values(batch * m * n) }
 }
 
 /// [`special`] without the huge values: infinities, NaN, denormals (read as zero), signed zeros and
