@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Type-checks and lints the whole workspace with the `cuda` feature (candle's CUDA backend + amp's CUDA
-# code), using the wheel toolchain of scripts/cuda-toolchain.sh. Needs no GPU and no system CUDA.
+# Type-checks and lints the whole workspace with the `nccl` feature (which implies `cuda`: candle's CUDA
+# backend, amp's CUDA code and its NCCL communicator), using the wheel toolchain of
+# scripts/cuda-toolchain.sh. Needs no GPU and no system CUDA.
 #
 # Too slow for CI: the first run compiles candle-kernels' .cu files with nvcc (PTX kernels plus a ~37 MB
 # static library of GGUF/MoE kernels), about 20-25 minutes on 2 cores, ~16 of them in that build script.
@@ -17,6 +18,6 @@ exports="$(scripts/cuda-toolchain.sh full)"
 eval "${exports}"
 
 echo "check-cuda: cargo check" >&2
-cargo check --locked --workspace --all-targets --features cuda
+cargo check --locked --workspace --all-targets --features nccl
 echo "check-cuda: cargo clippy" >&2
-cargo clippy --locked --workspace --all-targets --features cuda -- -D warnings
+cargo clippy --locked --workspace --all-targets --features nccl -- -D warnings

@@ -6,7 +6,7 @@
 #   eval "$(scripts/cuda-toolchain.sh full)"    # nvcc + libraries: build and link candle's `cuda` feature
 #
 # Idempotent: a second run with the same pins skips pip and only refreshes symlinks. First run: `nvrtc`
-# ~20 s (venv + one ~50 MB wheel), `full` ~20-60 s depending on the network (1.3 GB installed, cuBLAS is
+# ~20 s (venv + one ~50 MB wheel), `full` ~20-60 s depending on the network (1.5 GB installed, cuBLAS is
 # most of it); later runs well under a second.
 #
 # Versions are pinned to the CUDA 13.0 (Update 2) components on purpose, not the newest 13.x: the GPU
@@ -34,6 +34,8 @@ readonly FULL_PINS=(
   "nvidia-cuda-cccl==13.0.85"
   "nvidia-cublas==13.1.0.3"
   "nvidia-curand==10.4.0.35"
+  # NCCL for the `nccl` feature: 2.30 is the ABI cudarc 0.19.10's `nccl` feature binds.
+  "nvidia-nccl-cu13==2.30.7"
 )
 readonly CUDARC_VERSION="0.19.10"
 
@@ -92,6 +94,10 @@ if [[ "${mode}" == full ]]; then
   for name in libcudart libcublas libcublasLt libcurand; do
     link_unversioned "${name}"
   done
+  # NCCL's wheel keeps its own folder.
+  nccl_lib="${site}/nvidia/nccl/lib"
+  [[ -f "${nccl_lib}/libnccl.so.2" ]] || die "expected libnccl.so.2 under ${nccl_lib}, not found"
+  ln -sfn "${nccl_lib}/libnccl.so.2" "${libdir}/libnccl.so"
 fi
 
 # --- stub libcuda.so (full only) --------------------------------------------------------------------------
@@ -122,7 +128,11 @@ fi
 # Existing values are kept: the `${VAR:+:$VAR}` parts are meant to expand when the output is eval'd.
 # shellcheck disable=SC2016
 {
-  printf 'export LD_LIBRARY_PATH=%q"${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"\n' "${libdir}:${cu13}/lib"
+  runtime_dirs="${libdir}:${cu13}/lib"
+  if [[ "${mode}" == full ]]; then
+    runtime_dirs="${runtime_dirs}:${site}/nvidia/nccl/lib"
+  fi
+  printf 'export LD_LIBRARY_PATH=%q"${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"\n' "${runtime_dirs}"
   if [[ "${mode}" == full ]]; then
     printf 'export PATH=%q":${PATH}"\n' "${cu13}/bin"
     printf 'export CUDA_ROOT=%q\n' "${cu13}"

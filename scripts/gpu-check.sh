@@ -12,9 +12,13 @@
 #     linked against the CUDA libraries; built with scripts/cuda-toolchain.sh full, 20+ minutes the
 #     first time on 2 cores): the training tests on the device, GEMM per precision, and a BERT-base-like
 #     step under O2 fp16 against fp32 and TF32. Stripped and xz-compressed to fit the carry limit.
+#   - nccl, unless --kernels-only: the `nccl` build's NCCL tests (tests/nccl.rs: every collective on a
+#     world of one GPU, device tensors, the data-parallel step). It links libnccl.so.2, which is not
+#     carried (250 MB): it runs where the GPU machine has it (the CUDA toolkit's, or the wheel
+#     `nvidia-nccl-cu13` in any Python, as PyTorch installs it) and is skipped with a note elsewhere.
 #
 # `run` finds the CUDA libraries (the toolkit's, or NVIDIA's wheels in any Python on the machine), prints
-# the GPU, then runs the three in that order, printing one table as it goes (tee'd to $OUT/gpu-check.md
+# the GPU, then runs the four in that order, printing one table as it goes (tee'd to $OUT/gpu-check.md
 # when $OUT is set). The budget is shared: the kernel check takes well under a minute; the long
 # benchmark items are skipped first when time runs short.
 set -euo pipefail
@@ -35,14 +39,17 @@ build() {
       eval "$(scripts/cuda-toolchain.sh full)"
       cargo build --release --locked -p amp --features cuda --example gpu_bench
       cargo test --release --locked -p amp --features cuda --test cuda_training --no-run
+      cargo test --release --locked -p amp --features nccl --test nccl --no-run
     )
-    local test_binary
-    test_binary="$(find "${target}/release/deps" -maxdepth 1 -type f -executable -name 'cuda_training-*' -printf '%T@ %p\n' |
-      sort -n | tail -n 1 | cut -d' ' -f2)"
-    [[ -n "${test_binary}" ]] || { log "no cuda_training test binary under ${target}/release/deps"; exit 1; }
-    strip -o "${bundle}/cuda_training" "${test_binary}"
+    local name test_binary
+    for name in cuda_training nccl; do
+      test_binary="$(find "${target}/release/deps" -maxdepth 1 -type f -executable -name "${name}-*" -printf '%T@ %p\n' |
+        sort -n | tail -n 1 | cut -d' ' -f2)"
+      [[ -n "${test_binary}" ]] || { log "no ${name} test binary under ${target}/release/deps"; exit 1; }
+      strip -o "${bundle}/${name}" "${test_binary}"
+    done
     strip -o "${bundle}/gpu_bench" "${target}/release/examples/gpu_bench"
-    xz -f -T0 -6 "${bundle}/cuda_training" "${bundle}/gpu_bench"
+    xz -f -T0 -6 "${bundle}/cuda_training" "${bundle}/nccl" "${bundle}/gpu_bench"
   fi
   log "ready: $(du -ch "${bundle}"/* | tail -n 1 | cut -f1) in ${bundle}; carry .gpu-check to the GPU machine"
 }
@@ -60,7 +67,7 @@ cuda_lib_dirs() {
 import glob, os, site, sys
 roots = set(site.getsitepackages() + [site.getusersitepackages()] + sys.path)
 for root in sorted(r for r in roots if os.path.isdir(os.path.join(r, "nvidia"))):
-    for pattern in ("libnvrtc.so*", "libcublas.so*", "libcurand.so*", "libcudart.so*"):
+    for pattern in ("libnvrtc.so*", "libcublas.so*", "libcurand.so*", "libcudart.so*", "libnccl.so*"):
         for lib in sorted(glob.glob(os.path.join(root, "nvidia", "**", pattern), recursive=True)):
             print(os.path.dirname(lib))
 PY
@@ -89,7 +96,7 @@ run() {
     # links the driver library: without it the binaries cannot even start, so they are skipped.
     local work name missing
     work="$(mktemp -d)"
-    for name in cuda_training gpu_bench; do
+    for name in cuda_training nccl gpu_bench; do
       [[ -f "${bundle}/${name}.xz" ]] || continue
       xz -dc "${bundle}/${name}.xz" >"${work}/${name}" && chmod +x "${work}/${name}"
       missing="$(ldd "${work}/${name}" 2>/dev/null | awk '/not found/ {print $1}' | paste -sd' ' -)"
@@ -103,6 +110,11 @@ run() {
       echo
       echo "## training tests on the device (tests/cuda_training.rs)"
       "${work}/cuda_training" --test-threads 1 || status=1
+    fi
+    if [[ -x "${work}/nccl" ]]; then
+      echo
+      echo "## NCCL on one GPU (tests/nccl.rs)"
+      "${work}/nccl" --test-threads 1 || status=1
     fi
     if [[ -x "${work}/gpu_bench" ]]; then
       local left=$((budget - (SECONDS - start)))

@@ -65,3 +65,17 @@ fn the_data_parallel_step_on_one_process_is_bit_identical_to_step_fused() -> Out
     assert_eq!(traffic.calls, 12 * (7 + 1) + 6, "{traffic:?}");
     Ok(())
 }
+
+#[test]
+fn nccl_outside_its_build_or_off_a_gpu_says_what_to_do() {
+    let refused = amp::distributed::Nccl::single(&candle_core::Device::Cpu);
+    match refused {
+        Err(amp::Error::NcclNotBuilt) if cfg!(not(feature = "nccl")) => {}
+        Err(amp::Error::Nccl { ref reason }) if cfg!(feature = "nccl") => {
+            assert!(reason.contains("not a CUDA device"), "{reason}")
+        }
+        other => panic!("expected an error that says how to get NCCL, got {other:?}"),
+    }
+    let message = amp::Error::NcclNotBuilt.to_string();
+    assert!(message.contains("`nccl` feature") && message.contains("nvidia-nccl-cu13"), "{message}");
+}

@@ -220,6 +220,29 @@ pub enum Error {
         /// What went wrong, and what to do.
         reason: String,
     },
+    /// An NCCL entry point in a build without the `nccl` feature.
+    #[error(
+        "amp was built without NCCL: enable the `nccl` feature of `amp` (it implies `cuda`; libnccl comes \
+         with NVIDIA's wheel `nvidia-nccl-cu13` or the CUDA toolkit's NCCL package), or all-reduce over MPI \
+         with the model on the CPU"
+    )]
+    NcclNotBuilt,
+    /// NCCL failed: the library, a communicator that could not be created, a collective.
+    #[error("NCCL: {reason}")]
+    Nccl {
+        /// What failed, and what to do.
+        reason: String,
+    },
+    /// CUDA tensors handed to a communicator whose engine moves host memory only.
+    #[error(
+        "{engine} moves host memory and these tensors are on a CUDA device: create an `amp::distributed::Nccl` \
+         communicator for them (feature `nccl`, bootstrapped over this one: `Nccl::new(&mpi, &device)`), \
+         or keep the model on the CPU"
+    )]
+    HostCollectivesOnly {
+        /// The communicator (its `Debug` form).
+        engine: String,
+    },
     /// A collective called with buffers or a root that cannot be valid in this group; nothing was sent.
     #[error("{collective}: {reason}")]
     CollectiveShape {

@@ -11,26 +11,33 @@ pub const SUCCESSORS: usize = 3; // likely successors per token
 /// A first-order Markov source: each token has `SUCCESSORS` likely successors, plus a little mass on
 /// every token so that the chain is irreducible and aperiodic (a unique stationary distribution).
 pub struct Markov {
+    vocab: usize,
     rows: Vec<Vec<f64>>,
     stationary: Vec<f64>,
 }
 
 impl Markov {
+    /// The main job's source: `VOCAB` tokens, `SUCCESSORS` likely successors each.
     pub fn generate(seed: u64) -> Self {
+        Self::with_size(seed, VOCAB, SUCCESSORS)
+    }
+
+    /// A source of `vocab` tokens with `successors` likely successors each (the tests' smaller tasks).
+    pub fn with_size(seed: u64, vocab: usize, successors: usize) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
-        let rows: Vec<Vec<f64>> = (0..VOCAB)
+        let rows: Vec<Vec<f64>> = (0..vocab)
             .map(|_| {
-                let mut row = [0.002; VOCAB];
-                for _ in 0..SUCCESSORS {
-                    row[rng.random_range(0..VOCAB)] += rng.random_range(0.2..1.0);
+                let mut row = vec![0.002; vocab];
+                for _ in 0..successors {
+                    row[rng.random_range(0..vocab)] += rng.random_range(0.2..1.0);
                 }
                 let total: f64 = row.iter().sum();
                 row.iter().map(|p| p / total).collect()
             })
             .collect();
-        let mut stationary = vec![1.0 / VOCAB as f64; VOCAB];
+        let mut stationary = vec![1.0 / vocab as f64; vocab];
         for _ in 0..10_000 {
-            let mut next = vec![0.0; VOCAB];
+            let mut next = vec![0.0; vocab];
             for (i, row) in rows.iter().enumerate() {
                 for (j, p) in row.iter().enumerate() {
                     next[j] += stationary[i] * p;
@@ -38,7 +45,7 @@ impl Markov {
             }
             stationary = next;
         }
-        Markov { rows, stationary }
+        Markov { vocab, rows, stationary }
     }
 
     /// The entropy rate `sum_i pi_i H(P_i)` in nats per token: the lowest expected cross-entropy any
@@ -50,7 +57,7 @@ impl Markov {
 
     /// The likeliest successor of each token, and the expected accuracy of always guessing it.
     pub fn best_guess(&self) -> (Vec<u32>, f64) {
-        let argmax = |row: &Vec<f64>| (0..VOCAB).max_by(|a, b| row[*a].total_cmp(&row[*b])).unwrap_or(0);
+        let argmax = |row: &Vec<f64>| (0..self.vocab).max_by(|a, b| row[*a].total_cmp(&row[*b])).unwrap_or(0);
         let guesses: Vec<u32> = self.rows.iter().map(|row| argmax(row) as u32).collect();
         let accuracy = self.rows.iter().zip(&self.stationary).map(|(row, pi)| pi * row[argmax(row)]).sum();
         (guesses, accuracy)

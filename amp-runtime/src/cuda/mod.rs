@@ -23,8 +23,8 @@
 mod enabled;
 #[cfg(feature = "cuda")]
 pub(crate) use enabled::{
-    cuda_error, find_non_finite, global_l2_norm, loss_f32, on_cuda, unscale_and_check, DeviceOptimizer, Gate,
-    GradCheck, Launch, QueuedScaler,
+    cuda_error, device_ref, find_non_finite, global_l2_norm, loss_f32, on_cuda, unscale_and_check,
+    DeviceOptimizer, DeviceRef, Gate, GradCheck, Launch, QueuedScaler,
 };
 #[cfg(feature = "cuda")]
 pub use enabled::{is_available, prepare, DeviceGate};

@@ -2,14 +2,16 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::device::DeviceCollectives;
 use super::wire::{round_trip, Wire};
 use crate::error::{Error, Result};
 
 /// A group of ranks that run the same program and exchange values through collectives. Every rank must
 /// call the same collectives in the same order with the same lengths, as with MPI itself.
 ///
-/// Implementations: [`SingleProcess`] (one rank, every collective the identity) and
-/// [`Mpi`](super::Mpi) (feature `mpi`).
+/// Implementations: [`SingleProcess`] (one rank, every collective the identity),
+/// [`Mpi`](super::Mpi) (feature `mpi`) and [`Nccl`](super::Nccl) (feature `nccl`, which also moves
+/// device memory: [`device_collectives`](Self::device_collectives)).
 pub trait Communicator: std::fmt::Debug {
     /// This process's rank, `0..world_size()`.
     fn rank(&self) -> usize;
@@ -48,6 +50,12 @@ pub trait Communicator: std::fmt::Debug {
 
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
+
+    /// The collectives on device memory, when this group's engine moves GPU buffers itself (NCCL);
+    /// `None` (the default) when it moves host memory only (MPI, one process).
+    fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        None
+    }
 }
 
 /// Which collective a byte count belongs to.

@@ -6,6 +6,7 @@ use half::{bf16, f16};
 use amp_kernels::GradSliceMut;
 
 use super::communicator::Communicator;
+use super::device::DeviceCollectives;
 use super::wire::Wire;
 use crate::error::{Error, Result};
 use crate::{AmpModule, AmpModuleExt, Param};
@@ -60,6 +61,10 @@ pub fn broadcast_masters<M: AmpModule + ?Sized>(comm: &dyn Communicator, model: 
     let params = model.named_params();
     check_same_params(comm, &params)?;
     let masters: Vec<&Tensor> = params.iter().map(|(_, p)| p.master().as_tensor()).collect();
+    if crate::cuda::on_cuda(&masters) {
+        device_collectives(comm)?.broadcast_tensors(&masters, 0)?;
+        return crate::refresh_working_copies(model);
+    }
     crate::storage::for_each_batch_mut(&masters, |slices| {
         slices.iter_mut().try_for_each(|slice| broadcast_slice(comm, slice))
     })?
@@ -148,17 +153,22 @@ fn check_same_params(comm: &dyn Communicator, params: &[(String, Param)]) -> Res
 /// the world size (with the pre-divide factor applied before and after the sum, as configured). The
 /// gradients are staged as f32 in model order, in buckets of `config.bucket_bytes`, travel as
 /// `config.wire` says, and are written back in each tensor's dtype (one rounding for half gradients).
-/// Every rank must pass tensors of the same lengths in the same order.
+/// Every rank must pass tensors of the same lengths in the same order. CUDA gradients are summed where
+/// they are, through the communicator's [`DeviceCollectives`] (NCCL).
 ///
 /// # Errors
 /// [`Error::InvalidDataParallelConfig`]; [`Error::NotContiguous`] and device errors for tensors the
-/// CPU kernels cannot read; those of the communicator.
+/// kernels cannot read; [`Error::HostCollectivesOnly`] for CUDA gradients and a communicator that
+/// moves host memory only; those of the communicator.
 pub fn all_reduce_gradients(
     comm: &dyn Communicator,
     grads: &[&Tensor],
     config: &DataParallelConfig,
 ) -> Result<()> {
     config.validate()?;
+    if crate::cuda::on_cuda(grads) {
+        return all_reduce_device_gradients(device_collectives(comm)?, grads, config, comm.world_size());
+    }
     let mut bucket = Bucket {
         comm,
         wire: config.wire,
@@ -169,6 +179,32 @@ pub fn all_reduce_gradients(
         pieces: Vec::new(),
     };
     crate::storage::for_each_batch_mut(grads, |slices| bucket.reduce_all(slices))?.into_iter().collect()
+}
+
+/// [`all_reduce_gradients`] on CUDA tensors: the pre-divide and the final scaling by amp's unscale
+/// kernel, in place, around one grouped sum per wire dtype. (A half gradient is rounded to its dtype
+/// after the pre-divide, which the host path's f32 staging does not do; with the default factor 1
+/// there is no pre-divide.)
+fn all_reduce_device_gradients(
+    device: &dyn DeviceCollectives,
+    grads: &[&Tensor],
+    config: &DataParallelConfig,
+    world: usize,
+) -> Result<()> {
+    let (before, after) = (1.0 / config.predivide_factor, config.predivide_factor / world as f32);
+    if before != 1.0 {
+        crate::passes::unscale_and_check(grads, before)?;
+    }
+    device.all_reduce_sum_tensors(grads, config.wire)?;
+    if after != 1.0 {
+        crate::passes::unscale_and_check(grads, after)?;
+    }
+    Ok(())
+}
+
+/// The device collectives of `comm`, or the error that says which communicator has them.
+fn device_collectives(comm: &dyn Communicator) -> Result<&dyn DeviceCollectives> {
+    comm.device_collectives().ok_or_else(|| Error::HostCollectivesOnly { engine: format!("{comm:?}") })
 }
 
 /// One bucket of staged gradient values and where each piece came from.

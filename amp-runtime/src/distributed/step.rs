@@ -87,7 +87,8 @@ impl<'c> DataParallel<'c> {
     /// One data-parallel step with a fused optimizer: [`GradScaler::step_fused`] on every rank, with the
     /// gradients averaged over the ranks after backward and the skip decision agreed by all of them
     /// (the report names the lowest rank that found a non-finite value). Every rank must call it, with
-    /// its own share of the batch; gradients live on the CPU (a CUDA transport is a later slice).
+    /// its own share of the batch. A model on a CUDA device needs a communicator that moves device
+    /// memory ([`Nccl`](super::Nccl)).
     ///
     /// # Errors
     /// Those of [`GradScaler::step_fused`] and of the communicator.

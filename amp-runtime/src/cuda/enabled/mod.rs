@@ -16,6 +16,7 @@ pub(crate) use checks::{find_non_finite, global_l2_norm, unscale_and_check};
 pub use optimizer::DeviceGate;
 pub(crate) use optimizer::{DeviceOptimizer, Gate, Launch};
 pub(crate) use queued::{loss_f32, GradCheck, QueuedScaler};
+pub(crate) use tensors::{device_ref, DeviceRef};
 
 use super::GpuInfo;
 use crate::error::{Error, Result};
