@@ -79,3 +79,22 @@ fn nccl_outside_its_build_or_off_a_gpu_says_what_to_do() {
     let message = amp::Error::NcclNotBuilt.to_string();
     assert!(message.contains("`nccl` feature") && message.contains("nvidia-nccl-cu13"), "{message}");
 }
+
+#[test]
+fn shard_masters_keeps_everything_on_one_rank_and_refuses_another_model() -> Outcome {
+    let comm = SingleProcess::new();
+    let (mut net, mut stranger) = (fp16_net(6, 24, 3, 5)?, fp16_net(6, 24, 3, 5)?);
+    let mut zero = amp::distributed::Zero1::new(&comm, ParamGroups::from_model(&net)?, Default::default())?;
+    let total = zero.master_bytes();
+    // Another model with the same names and shapes is still not the one these groups train.
+    let refused = zero.shard_masters(&mut stranger);
+    assert!(
+        matches!(&refused, Err(amp::Error::ZeroShard { reason }) if reason.contains("not a parameter")),
+        "{refused:?}"
+    );
+    // One rank owns every tensor: nothing is released.
+    assert_eq!(zero.shard_masters(&mut net)?, 0);
+    assert_eq!(zero.master_bytes(), total);
+    assert!(ParamGroups::from_model(&net).is_ok(), "every master is still there");
+    Ok(())
+}

@@ -12,7 +12,7 @@ use amp::checkpoint::TrainingState;
 use amp::distributed::{Communicator, DataParallel, DataParallelConfig, Mpi, SingleProcess, Zero1};
 use amp::optim::ParamGroups;
 use amp::scaler::SkipReason;
-use amp::Precision;
+use amp::{AmpModuleExt, ParamStorage, Precision};
 use mpi_launch::{on_ranks, on_ranks_with_env, Outcome};
 use mpi_training::{loss, masters, mlp, same_bits, scaler, Kind, Optimizer};
 
@@ -127,6 +127,74 @@ fn zero1_trains_bit_identically_to_data_parallel_with_half_the_optimizer_state_p
     })
 }
 
+/// Sharded masters (`Zero1::shard_masters`): each rank keeps the fp32 masters of the tensors it owns
+/// only and receives the others' half working copies after each step (2 bytes a value instead of 4).
+/// It trains exactly as data parallelism does over 30 steps (fp16 with an overflow injected on rank 1,
+/// and bf16): every working copy, every master a rank still holds, and the scaler bit-identical. Each
+/// rank's fp32 masters (`master_bytes`) are within the partition's guarantee, `total / 2 + the largest
+/// tensor's`, and sum to the unsharded total (printed); each step's all-gather hands over half the bytes
+/// of the rank's fp32 shard (plus one padding word at most).
+#[test]
+fn sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank() -> Outcome {
+    let test = "sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank";
+    on_ranks(test, 2, |comm| {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        for half in [Precision::Fp16, Precision::Bf16] {
+            let what = format!("{half:?}, rank {rank}");
+            let (dp_net, mut zero_net) = (mlp(half, 5 + rank as u64)?, mlp(half, 5)?); // rank 0 seeds both
+            let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
+            dp.broadcast_masters(&dp_net)?;
+            let groups = ParamGroups::from_model(&zero_net)?;
+            let total = 4 * groups.elem_count();
+            let largest = 4 * groups.params().iter().map(|p| p.elem_count()).max().unwrap_or(0);
+            let mut zero = Zero1::new(comm, groups, DataParallelConfig::default())?;
+            zero.broadcast_masters(&zero_net)?;
+            assert_eq!(zero.master_bytes(), total, "{what}: before sharding every rank holds every master");
+            let released = zero.shard_masters(&mut zero_net)?;
+            let per_rank = gather(comm, zero.master_bytes())?;
+            assert_eq!(zero.master_bytes() + released, total, "{what}");
+            assert_eq!(per_rank.iter().sum::<usize>(), total, "{what}: the shards hold each master once");
+            for &bytes in &per_rank {
+                assert!(bytes <= total / world + largest, "{what}: {bytes} of {total} bytes of masters");
+            }
+            let mut dp_opt = Optimizer::new(Kind::AdamW, ParamGroups::from_model(&dp_net)?)?;
+            let mut zero_opt = Optimizer::new(Kind::AdamW, zero.local_groups())?;
+            let (mut dp_scaler, mut zero_scaler) = (scaler(&dp_net)?, scaler(&zero_net)?);
+            let gathered_before = comm.traffic().all_gather;
+            for step in 0..30 {
+                let rows = my_rows(rank, world);
+                let factor = if half == Precision::Fp16 && step == 10 && rank == 1 { 1e30 } else { 1.0 };
+                let dp_loss = (loss(&dp_net, step, rows.clone())? * factor)?;
+                let dp_report = dp.step_fused(&mut dp_scaler, &dp_loss, dp_opt.fused(), Some(1.0))?;
+                let zero_loss = (loss(&zero_net, step, rows)? * factor)?;
+                let zero_report =
+                    zero.step_fused(&mut zero_scaler, &zero_loss, zero_opt.fused(), Some(1.0))?;
+                assert_eq!(zero_report.skipped, dp_report.skipped, "{what}, step {step}");
+            }
+            let gathered = ((comm.traffic().all_gather - gathered_before) / 30) as usize;
+            let shard = per_rank.iter().copied().max().unwrap_or(0);
+            assert!(gathered <= shard / 2 + 4, "{what}: {gathered} B gathered a step for a {shard} B shard");
+            for ((name, z), (_, d)) in zero_net.named_params().iter().zip(&dp_net.named_params()) {
+                let bits = |p: &amp::Param| reliability::bits(p.trainable().as_tensor());
+                assert_eq!(bits(z), bits(d), "{what}: the working copy of {name} differs");
+                if z.storage() != ParamStorage::Half(half) {
+                    let master = |p: &amp::Param| reliability::bits(p.master().as_tensor());
+                    assert_eq!(master(z), master(d), "{what}: the master of {name} differs");
+                }
+            }
+            assert_eq!(zero_scaler.state(), dp_scaler.state(), "{what}: the scalers differ");
+            if rank == 0 {
+                println!(
+                    "{} {half:?} AdamW: fp32 masters {total} B unsharded; with sharded masters on {world} ranks: \
+                     {per_rank:?} B; all-gather {gathered} B a step per rank (the masters' would be {shard} B)",
+                    mpi_launch::REPORT
+                );
+            }
+        }
+        Ok(())
+    })
+}
+
 /// An overflow in rank 1's gradients and a NaN loss on rank 2 skip the step on every rank (each rank
 /// checks its own gradients before the reduce-scatter and its shard after it; one MAX word decides),
 /// naming the rank; the masters stay, the scale moves alike, and the ranks end bit-identical. An
@@ -229,9 +297,10 @@ fn an_overflow_only_the_owning_rank_sees_skips_every_rank() -> Outcome {
 const DIR: &str = "AMP_ZERO_CHECKPOINT_DIR";
 const PHASE: &str = "AMP_ZERO_CHECKPOINT_PHASE";
 
-/// Two ranks train ZeRO-1 and plain data parallelism side by side and save: ZeRO-1's gathered file
-/// (`zero2`) and data parallelism's (`dp`, rank 0's unsharded optimizer). Three ranks load `zero2` into
-/// ZeRO-1 (each rank its third of the state) and save it again (`zero3`). One process loads each file
+/// Two ranks train ZeRO-1 (masters sharded) and plain data parallelism side by side and save: ZeRO-1's
+/// gathered file (`zero2`) and data parallelism's (`dp`, rank 0's unsharded optimizer). Three ranks
+/// with sharded masters load `zero2` into ZeRO-1 (each rank its third of the state and of the masters)
+/// and save it again (`zero3`). One process loads each file
 /// into a plain optimizer: all three hold the same bits, and training resumes from them.
 #[test]
 fn a_zero1_checkpoint_saved_on_two_ranks_loads_on_one_rank_and_on_three() -> Outcome {
@@ -269,9 +338,11 @@ fn a_zero1_checkpoint_saved_on_two_ranks_loads_on_one_rank_and_on_three() -> Out
 
 fn save_on_two_ranks(comm: &Mpi, dir: &std::path::Path) -> Outcome {
     let rank = comm.rank();
-    let (dp_net, zero_net) = (mlp(Precision::Fp16, 21)?, mlp(Precision::Fp16, 21)?);
+    let (dp_net, mut zero_net) = (mlp(Precision::Fp16, 21)?, mlp(Precision::Fp16, 21)?);
     let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
     let mut zero = Zero1::new(comm, ParamGroups::from_model(&zero_net)?, DataParallelConfig::default())?;
+    // The file holds every fp32 master: the sharded ones are gathered from their owners.
+    zero.shard_masters(&mut zero_net)?;
     let mut dp_opt = Optimizer::new(Kind::Lamb, ParamGroups::from_model(&dp_net)?)?;
     let mut zero_opt = Optimizer::new(Kind::Lamb, zero.local_groups())?;
     let (mut dp_scaler, mut zero_scaler) = (scaler(&dp_net)?, scaler(&zero_net)?);
@@ -290,12 +361,15 @@ fn save_on_two_ranks(comm: &Mpi, dir: &std::path::Path) -> Outcome {
 
 fn load_on_three_ranks(comm: &Mpi, dir: &std::path::Path) -> Outcome {
     let mut net = mlp(Precision::Fp16, 50 + comm.rank() as u64)?;
-    let zero = Zero1::new(comm, ParamGroups::from_model(&net)?, DataParallelConfig::default())?;
+    let mut zero = Zero1::new(comm, ParamGroups::from_model(&net)?, DataParallelConfig::default())?;
+    // Sharded before loading: each rank loads its own masters, and rounds the others into their working
+    // copies; saving gathers the masters back.
+    zero.shard_masters(&mut net)?;
     let mut optimizer = Optimizer::new(Kind::Lamb, zero.local_groups())?;
     let mut scaler = scaler(&net)?;
     zero.load_checkpoint(&mut net, &mut [optimizer.state_mut(), &mut scaler], dir.join("zero2.safetensors"))?;
     let per_rank = gather(comm, optimizer.state_bytes())?;
-    let unsharded = 2 * 4 * ParamGroups::from_model(&net)?.elem_count();
+    let unsharded = 2 * 4 * net.named_params().iter().map(|(_, p)| p.elem_count()).sum::<usize>();
     assert_eq!(per_rank.iter().sum::<usize>(), unsharded, "the three shards hold the state once");
     if comm.rank() == 0 {
         println!("{} LAMB state loaded on 3 ranks: {per_rank:?} B of {unsharded} B", mpi_launch::REPORT);

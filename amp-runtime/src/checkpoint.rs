@@ -134,11 +134,24 @@ pub fn save_with<M: AmpModule + ?Sized>(
     states: &[&dyn TrainingState],
     path: impl AsRef<Path>,
 ) -> Result<()> {
-    let path = path.as_ref();
+    save_with_masters(model, &HashMap::new(), states, path.as_ref())
+}
+
+/// [`save_with`], the masters of the parameters named in `masters` taken from there (ZeRO-1's sharded
+/// masters, gathered from their owners) instead of from the model.
+pub(crate) fn save_with_masters<M: AmpModule + ?Sized>(
+    model: &M,
+    masters: &HashMap<String, Tensor>,
+    states: &[&dyn TrainingState],
+    path: &Path,
+) -> Result<()> {
     let mut tensors: Vec<(String, Tensor)> = model
         .named_params()
         .into_iter()
-        .map(|(name, p)| Ok((name, p.master().as_tensor().to_dtype(DType::F32)?)))
+        .map(|(name, p)| {
+            let master = masters.get(&name).unwrap_or(p.master().as_tensor());
+            Ok((name, master.to_dtype(DType::F32)?))
+        })
         .collect::<Result<_>>()?;
     for (name, buffer) in model.named_buffers() {
         tensors.push((name, buffer.as_tensor().to_dtype(DType::F32)?));

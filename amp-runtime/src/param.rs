@@ -115,6 +115,13 @@ impl Param {
         Ok(())
     }
 
+    /// Drops the fp32 master and keeps the working copy, the same variable, as the parameter's only
+    /// storage (which then reads as [`ParamStorage::Half`]): ZeRO-1 with sharded masters, on the ranks
+    /// that do not own this parameter. Whether there was a master.
+    pub(crate) fn release_master(&mut self) -> bool {
+        self.master.take().is_some()
+    }
+
     /// Copies the master into the working copy (after an optimizer updated the master). No-op without one.
     pub fn refresh_working(&self) -> Result<()> {
         crate::CastCache::clear();

@@ -34,6 +34,7 @@ mod step;
 mod wire;
 mod zero;
 mod zero_checkpoint;
+mod zero_gather;
 
 pub use communicator::{Collective, Communicator, SingleProcess, Traffic, TrafficReport};
 pub use data_parallel::{agree_non_finite, all_reduce_gradients, broadcast_masters, DataParallelConfig};

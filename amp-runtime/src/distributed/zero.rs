@@ -38,17 +38,21 @@ use crate::AmpModule;
 /// 4. each rank's fused optimizer (the same [`FusedAdam`](crate::optim::FusedAdam) or
 ///    [`FusedLamb`](crate::optim::FusedLamb), over its tensors) steps its masters and refreshes their
 ///    working copies;
-/// 5. **all-gather**: every rank's updated fp32 masters go to every rank, which refreshes the half
-///    working copies of the tensors it does not own from them (the same rounding the fused kernel
-///    does), so every rank ends the step holding the whole updated model.
+/// 5. **all-gather**: every rank's updated parameters go to every rank, so that every rank ends the
+///    step holding the whole updated model: the half working copies (2 bytes a value) of the tensors
+///    whose masters are sharded ([`shard_masters`](Self::shard_masters)), else the fp32 masters, from
+///    which the other ranks refresh their working copies (the same rounding the fused kernel does).
 ///
 /// Sharding is by whole tensors: LAMB's trust ratio needs each tensor's norms, which its owner
 /// computes alone, with no extra collective. The partition is the longest-processing-time rule: the
 /// tensors, largest first, each to the rank holding the fewest elements so far; so the largest
 /// rank's share is at most `total / world_size + largest tensor`.
 ///
-/// The fp32 masters stay on every rank (amp's [`Param`](crate::Param) owns its master); what is
-/// sharded is the optimizer's state. With an fp32 wire and two ranks the averaged gradient is the
+/// The fp32 masters stay on every rank until [`shard_masters`](Self::shard_masters) releases, on each
+/// rank, those of the half-precision parameters it does not own: then each rank holds about
+/// `1 / world_size` of the masters as well as of the optimizer state (fp32 parameters, which forward
+/// reads, stay whole; the half working copies are on every rank, as in DeepSpeed's ZeRO-1). Either
+/// way the training is the same to the bit. With an fp32 wire and two ranks the averaged gradient is the
 /// same sum as [`DataParallel`](super::DataParallel)'s all-reduce (one addition, commutative) and the
 /// update is elementwise, so the two train bit-identically; with more ranks the transport may add the
 /// ranks' values in another order (within `gamma(world - 1)` of each other per value). With clipping,
@@ -77,6 +81,7 @@ use crate::AmpModule;
 /// amp_runtime::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
 /// let mut zero = Zero1::new(&comm, ParamGroups::from_model(&model)?, DataParallelConfig::default())?;
 /// zero.broadcast_masters(&model)?;
+/// zero.shard_masters(&mut model)?; // each rank keeps the fp32 masters it owns, only
 /// // This rank's optimizer: over the tensors it owns only.
 /// let mut optimizer = FusedAdamW::new(zero.local_groups(), AdamConfig::default())?;
 /// let mut scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
@@ -88,24 +93,27 @@ use crate::AmpModule;
 /// ```
 #[derive(Debug)]
 pub struct Zero1<'c> {
-    comm: &'c dyn Communicator,
-    config: DataParallelConfig,
+    pub(super) comm: &'c dyn Communicator,
+    pub(super) config: DataParallelConfig,
     /// Every parameter of the model, with the groups' options.
-    groups: ParamGroups,
-    shards: Shards,
+    pub(super) groups: ParamGroups,
+    pub(super) shards: Shards,
+    /// Per parameter: its fp32 master lives on its owner only ([`shard_masters`](Self::shard_masters)),
+    /// so the other ranks receive its half working copy after each step.
+    pub(super) sharded_master: Vec<bool>,
 }
 
 /// Which rank owns each parameter, and where each tensor sits in its owner's packed block.
 #[derive(Debug)]
-struct Shards {
+pub(super) struct Shards {
     /// The owner of each parameter.
-    owner: Vec<usize>,
+    pub owner: Vec<usize>,
     /// Per rank: (parameter index, offset in the rank's block), in model order.
-    blocks: Vec<Vec<(usize, usize)>>,
+    pub blocks: Vec<Vec<(usize, usize)>>,
     /// Elements of each parameter.
-    lens: Vec<usize>,
+    pub lens: Vec<usize>,
     /// The longest block: every rank's block is padded to it for the collectives.
-    block_len: usize,
+    pub block_len: usize,
 }
 
 impl Shards {
@@ -120,13 +128,7 @@ impl Shards {
             owner[i] = rank;
             load[rank] += lens[i];
         }
-        let mut blocks = vec![Vec::new(); world];
-        let mut fill = vec![0usize; world];
-        for (i, &rank) in owner.iter().enumerate() {
-            blocks[rank].push((i, fill[rank]));
-            fill[rank] += lens[i];
-        }
-        let block_len = fill.iter().copied().max().unwrap_or(0);
+        let Layout { blocks, block_len } = Layout::of(&owner, &lens, world, |_| true);
         Shards { owner, blocks, lens, block_len }
     }
 
@@ -148,6 +150,28 @@ impl Shards {
     }
 }
 
+/// Where each parameter of a subset sits in its owner's block, per rank, blocks padded to the longest.
+#[derive(Debug)]
+pub(super) struct Layout {
+    /// Per rank: (parameter index, offset in the rank's block), in model order.
+    pub blocks: Vec<Vec<(usize, usize)>>,
+    /// The longest block.
+    pub block_len: usize,
+}
+
+impl Layout {
+    /// The parameters for which `include` holds, each in its owner's block.
+    pub fn of(owner: &[usize], lens: &[usize], world: usize, include: impl Fn(usize) -> bool) -> Self {
+        let mut blocks = vec![Vec::new(); world];
+        let mut fill = vec![0usize; world];
+        for (i, &rank) in owner.iter().enumerate().filter(|&(i, _)| include(i)) {
+            blocks[rank].push((i, fill[rank]));
+            fill[rank] += lens[i];
+        }
+        Layout { blocks, block_len: fill.iter().copied().max().unwrap_or(0) }
+    }
+}
+
 impl<'c> Zero1<'c> {
     /// ZeRO-1 over `comm` for the parameters `groups` (every rank passes the same model's, e.g.
     /// `ParamGroups::from_model(&model)?` with the same groups), gradients travelling as `config` says
@@ -159,7 +183,8 @@ impl<'c> Zero1<'c> {
         config.validate()?;
         let lens = groups.params.iter().map(|p| p.elem_count()).collect();
         let shards = Shards::new(lens, comm.world_size());
-        Ok(Zero1 { comm, config, groups, shards })
+        let sharded_master = vec![false; groups.params.len()];
+        Ok(Zero1 { comm, config, groups, shards, sharded_master })
     }
 
     /// The group.
@@ -238,7 +263,7 @@ impl<'c> Zero1<'c> {
     }
 
     /// Values per rank and collective call.
-    fn chunk(&self) -> usize {
+    pub(super) fn chunk(&self) -> usize {
         (self.config.bucket_bytes / 4 / self.comm.world_size()).max(1)
     }
 
@@ -311,66 +336,10 @@ impl<'c> Zero1<'c> {
         })?;
         Ok(())
     }
-
-    /// Every rank's updated masters to every rank; the working copies of the tensors this rank does not
-    /// own refreshed from them.
-    fn all_gather_masters(&self) -> Result<()> {
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
-        let params = &self.groups.params;
-        let block_len = self.shards.block_len;
-        let own: Vec<&Tensor> =
-            self.shards.blocks[rank].iter().map(|&(i, _)| params[i].master.as_tensor()).collect();
-        let mut mine = vec![0f32; block_len];
-        storage::with_slices(&own, |slices| {
-            for (slice, &(_, offset)) in slices.iter().zip(&self.shards.blocks[rank]) {
-                if let GradSlice::F32(values) = slice {
-                    mine[offset..offset + values.len()].copy_from_slice(values);
-                }
-            }
-        })?;
-        let mut gathered = vec![0f32; world * block_len];
-        let (chunk, mut start) = (self.chunk(), 0);
-        let mut round = vec![0f32; world * chunk.min(block_len)];
-        while start < block_len {
-            let len = chunk.min(block_len - start);
-            self.comm.all_gather(&mine[start..start + len], &mut round[..world * len])?;
-            for r in 0..world {
-                let to = r * block_len + start;
-                gathered[to..to + len].copy_from_slice(&round[r * len..(r + 1) * len]);
-            }
-            start += len;
-        }
-        let others: Vec<(usize, usize)> = (0..world)
-            .filter(|&r| r != rank)
-            .flat_map(|r| self.shards.blocks[r].iter().map(move |&(i, offset)| (i, r * block_len + offset)))
-            .collect();
-        let masters: Vec<&Tensor> = others.iter().map(|&(i, _)| params[i].master.as_tensor()).collect();
-        let mut next = 0;
-        storage::for_each_batch_mut(&masters, |slices| -> Result<()> {
-            for slice in slices.iter_mut() {
-                let (param, from) = others[next];
-                next += 1;
-                match slice {
-                    GradSliceMut::F32(s) => s.copy_from_slice(&gathered[from..from + s.len()]),
-                    _ => return Err(no_master(&params[param].path)),
-                }
-            }
-            Ok(())
-        })?
-        .into_iter()
-        .collect::<Result<()>>()?;
-        for &(i, _) in &others {
-            if let Some(working) = &params[i].working {
-                working.set(&params[i].master.as_tensor().to_dtype(working.dtype())?)?;
-            }
-        }
-        crate::CastCache::clear();
-        Ok(())
-    }
 }
 
 /// A master that is not f32: `ParamGroups` refuses such parameters, so this is a broken invariant.
-fn no_master(path: &str) -> Error {
+pub(super) fn no_master(path: &str) -> Error {
     Error::Internal { what: format!("the master of `{path}` is not an f32 tensor") }
 }
 
@@ -416,7 +385,7 @@ impl StepStages for Zero1<'_> {
     }
 
     fn after_step(&mut self) -> Result<()> {
-        self.all_gather_masters()
+        self.all_gather_updates()
     }
 }
 

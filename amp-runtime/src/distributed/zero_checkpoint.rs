@@ -3,8 +3,9 @@
 //! Saving gathers every rank's optimizer state (each rank broadcasts its serialized
 //! [`SavedState`] in turn) into the state an unsharded optimizer over the whole model would save: the
 //! same settings JSON, one tensor per state buffer and parameter. Rank 0 writes it with
-//! [`checkpoint::save_with`](crate::checkpoint::save_with); the masters are the same on every rank
-//! after a ZeRO-1 step, so rank 0's model is the model. Loading needs no exchange: every rank reads the
+//! [`checkpoint::save_with`](crate::checkpoint::save_with); the masters every rank keeps are the same
+//! on every rank after a ZeRO-1 step, and sharded masters ([`Zero1::shard_masters`]) are gathered from
+//! their owners first, so the file is the same either way. Loading needs no exchange: every rank reads the
 //! file with [`checkpoint::load_with`](crate::checkpoint::load_with) and its optimizer, built from
 //! [`Zero1::local_groups`], restores the entries of the tensors it owns and ignores the others'. So the
 //! file loads into a plain optimizer on one process, or into ZeRO-1 on any number of ranks.
@@ -74,10 +75,12 @@ impl Zero1<'_> {
     ) -> Result<()> {
         let comm = self.communicator();
         let gathered = Gathered { key: optimizer.state_key(), state: self.gather_state(optimizer)? };
+        // Sharded masters (`shard_masters`) come from their owners; the others are rank 0's own.
+        let masters = self.gathered_masters()?;
         let written = if comm.rank() == 0 {
             let mut states: Vec<&dyn TrainingState> = vec![&gathered];
             states.extend_from_slice(others);
-            crate::checkpoint::save_with(model, &states, path.as_ref())
+            crate::checkpoint::save_with_masters(model, &masters, &states, path.as_ref())
         } else {
             Ok(())
         };
