@@ -129,8 +129,9 @@ fn zero1_trains_bit_identically_to_data_parallel_with_half_the_optimizer_state_p
 
 /// Sharded masters (`Zero1::shard_masters`): each rank keeps the fp32 masters of the tensors it owns
 /// only and receives the others' half working copies after each step (2 bytes a value instead of 4).
-/// It trains exactly as data parallelism does over 30 steps (fp16 with an overflow injected on rank 1,
-/// and bf16): every working copy, every master a rank still holds, and the scaler bit-identical. Each
+/// It trains exactly as data parallelism does over 50 steps (AdamW and LAMB; fp16 with an overflow
+/// injected on rank 1, and bf16; clipping on): every working copy, every master a rank still holds,
+/// and the scaler bit-identical. Each
 /// rank's fp32 masters (`master_bytes`) are within the partition's guarantee, `total / 2 + the largest
 /// tensor's`, and sum to the unsharded total (printed); each step's all-gather hands over half the bytes
 /// of the rank's fp32 shard (plus one padding word at most).
@@ -139,8 +140,10 @@ fn sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank() -> 
     let test = "sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank";
     on_ranks(test, 2, |comm| {
         let (rank, world) = (comm.rank(), comm.world_size());
-        for half in [Precision::Fp16, Precision::Bf16] {
-            let what = format!("{half:?}, rank {rank}");
+        for (half, kind) in
+            [Precision::Fp16, Precision::Bf16].into_iter().flat_map(|h| [(h, Kind::AdamW), (h, Kind::Lamb)])
+        {
+            let what = format!("{half:?} {kind:?}, rank {rank}");
             let (dp_net, mut zero_net) = (mlp(half, 5 + rank as u64)?, mlp(half, 5)?); // rank 0 seeds both
             let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
             dp.broadcast_masters(&dp_net)?;
@@ -157,11 +160,11 @@ fn sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank() -> 
             for &bytes in &per_rank {
                 assert!(bytes <= total / world + largest, "{what}: {bytes} of {total} bytes of masters");
             }
-            let mut dp_opt = Optimizer::new(Kind::AdamW, ParamGroups::from_model(&dp_net)?)?;
-            let mut zero_opt = Optimizer::new(Kind::AdamW, zero.local_groups())?;
+            let mut dp_opt = Optimizer::new(kind, ParamGroups::from_model(&dp_net)?)?;
+            let mut zero_opt = Optimizer::new(kind, zero.local_groups())?;
             let (mut dp_scaler, mut zero_scaler) = (scaler(&dp_net)?, scaler(&zero_net)?);
             let gathered_before = comm.traffic().all_gather;
-            for step in 0..30 {
+            for step in 0..50 {
                 let rows = my_rows(rank, world);
                 let factor = if half == Precision::Fp16 && step == 10 && rank == 1 { 1e30 } else { 1.0 };
                 let dp_loss = (loss(&dp_net, step, rows.clone())? * factor)?;
@@ -171,7 +174,7 @@ fn sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank() -> 
                     zero.step_fused(&mut zero_scaler, &zero_loss, zero_opt.fused(), Some(1.0))?;
                 assert_eq!(zero_report.skipped, dp_report.skipped, "{what}, step {step}");
             }
-            let gathered = ((comm.traffic().all_gather - gathered_before) / 30) as usize;
+            let gathered = ((comm.traffic().all_gather - gathered_before) / 50) as usize;
             let shard = per_rank.iter().copied().max().unwrap_or(0);
             assert!(gathered <= shard / 2 + 4, "{what}: {gathered} B gathered a step for a {shard} B shard");
             for ((name, z), (_, d)) in zero_net.named_params().iter().zip(&dp_net.named_params()) {
@@ -185,7 +188,7 @@ fn sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank() -> 
             assert_eq!(zero_scaler.state(), dp_scaler.state(), "{what}: the scalers differ");
             if rank == 0 {
                 println!(
-                    "{} {half:?} AdamW: fp32 masters {total} B unsharded; with sharded masters on {world} ranks: \
+                    "{} {half:?} {kind:?}: fp32 masters {total} B unsharded; with sharded masters on {world} ranks: \
                      {per_rank:?} B; all-gather {gathered} B a step per rank (the masters' would be {shard} B)",
                     mpi_launch::REPORT
                 );
