@@ -31,6 +31,8 @@ mod nccl;
 #[path = "nccl_disabled.rs"]
 mod nccl;
 mod step;
+#[cfg(any(not(feature = "mpi"), not(feature = "nccl")))]
+mod uninhabited;
 mod wire;
 mod zero;
 mod zero_checkpoint;

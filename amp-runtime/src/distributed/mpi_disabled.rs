@@ -3,8 +3,6 @@
 
 use std::convert::Infallible;
 
-use super::communicator::{Communicator, TrafficReport};
-use super::wire::Wire;
 use crate::error::{Error, Result};
 
 /// MPI's world. This build has no MPI: [`Mpi::init`] returns [`Error::MpiNotBuilt`].
@@ -26,44 +24,4 @@ impl Mpi {
     }
 }
 
-impl Communicator for Mpi {
-    fn rank(&self) -> usize {
-        match self.never {}
-    }
-
-    fn world_size(&self) -> usize {
-        match self.never {}
-    }
-
-    fn traffic(&self) -> TrafficReport {
-        match self.never {}
-    }
-
-    fn all_reduce_sum(&self, _: &mut [f32], _: Wire) -> Result<()> {
-        match self.never {}
-    }
-
-    fn all_reduce_max_u32(&self, _: u32) -> Result<u32> {
-        match self.never {}
-    }
-
-    fn reduce_scatter_sum(&self, _: &[f32], _: &mut [f32], _: Wire) -> Result<()> {
-        match self.never {}
-    }
-
-    fn all_gather(&self, _: &[f32], _: &mut [f32]) -> Result<()> {
-        match self.never {}
-    }
-
-    fn broadcast(&self, _: &mut [f32], _: usize) -> Result<()> {
-        match self.never {}
-    }
-
-    fn broadcast_bytes(&self, _: &mut [u8], _: usize) -> Result<()> {
-        match self.never {}
-    }
-
-    fn barrier(&self) -> Result<()> {
-        match self.never {}
-    }
-}
+super::uninhabited::uninhabited_communicator!(Mpi);
