@@ -11,7 +11,7 @@ use amp_kernels::{GradSlice, HalfSliceMut};
 use half::slice::HalfBitsSliceExt;
 use half::{bf16, f16};
 
-/// Values a combine of [`sum_half_words`] widens at a time (two f32 buffers of this many on the stack).
+/// Values [`sum_half_words`] and `round_trip` convert at a time, through buffers of this many on the stack.
 const COMBINE_CHUNK: usize = 2048;
 
 /// The dtype gradients travel in between ranks.
@@ -136,8 +136,12 @@ pub fn sum_half_words(half: HalfWire, input: &[u16], inout: &mut [u16]) {
 /// Rounds every value through the wire type and back: what a value is after travelling.
 pub(crate) fn round_trip(wire: Wire, values: &mut [f32]) {
     if let Some(half) = wire.half() {
-        let words = half.encode_all(values);
-        half.decode_into(&words, values);
+        let mut words = [0u16; COMBINE_CHUNK];
+        for chunk in values.chunks_mut(COMBINE_CHUNK) {
+            let words = &mut words[..chunk.len()];
+            half.encode_into(chunk, words);
+            half.decode_into(words, chunk);
+        }
     }
 }
 

@@ -213,19 +213,24 @@ impl Zero1<'_> {
             params[i].working.as_ref().map(Var::as_tensor).ok_or_else(|| no_master(&params[i].path))
         };
         let own = layout.blocks[rank].iter().map(|&(i, _)| working(i)).collect::<Result<Vec<_>>>()?;
-        let mut bits = vec![0u16; 2 * layout.block_len.div_ceil(2)];
-        storage::with_slices(&own, |slices| {
-            for (slice, &(_, offset)) in slices.iter().zip(&layout.blocks[rank]) {
-                let out = &mut bits[offset..];
+        // Value k of the block goes to the low (k even) or high (k odd) half of word k / 2.
+        let mut words = vec![0f32; layout.block_len.div_ceil(2)];
+        let mut put = |k: usize, bits: u16| {
+            let word = &mut words[k / 2];
+            *word = f32::from_bits(word.to_bits() | u32::from(bits) << (16 * (k % 2)));
+        };
+        storage::with_slices(&own, |slices| -> Result<()> {
+            for (slice, &(i, offset)) in slices.iter().zip(&layout.blocks[rank]) {
                 match slice {
-                    GradSlice::F16(s) => out.iter_mut().zip(s.iter()).for_each(|(b, v)| *b = v.to_bits()),
-                    GradSlice::Bf16(s) => out.iter_mut().zip(s.iter()).for_each(|(b, v)| *b = v.to_bits()),
-                    GradSlice::F32(s) => out.iter_mut().zip(s.iter()).for_each(|(b, _)| *b = 0),
+                    GradSlice::F16(s) => s.iter().enumerate().for_each(|(j, v)| put(offset + j, v.to_bits())),
+                    GradSlice::Bf16(s) => {
+                        s.iter().enumerate().for_each(|(j, v)| put(offset + j, v.to_bits()))
+                    }
+                    GradSlice::F32(_) => return Err(no_master(&params[i].path)),
                 }
             }
-        })?;
-        let words: Vec<f32> =
-            bits.chunks_exact(2).map(|p| f32::from_bits(u32::from(p[0]) | u32::from(p[1]) << 16)).collect();
+            Ok(())
+        })??;
         let gathered = self.gather_blocks(&words)?;
         let bit = |k: usize| (gathered[k / 2].to_bits() >> (16 * (k % 2))) as u16;
         let per_rank = 2 * words.len();
