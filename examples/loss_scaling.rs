@@ -111,8 +111,8 @@ pub fn flush_fraction(
     let loss = ((model.forward(x)? - y)?.sqr()?.mean_all()? * LOSS_FACTOR)?;
     let grads = loss.backward()?;
     let (mut nonzero, mut flushed) = (0usize, 0usize);
-    for (_, param) in model.named_params() {
-        let Some(grad) = grads.get(param.trainable().as_tensor()) else { continue };
+    for (path, param) in model.named_params() {
+        let Some(grad) = param.grad(&path, &grads)? else { continue };
         for g in grad.flatten_all()?.to_vec1::<f32>()? {
             if g != 0.0 {
                 nonzero += 1;

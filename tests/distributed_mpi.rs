@@ -27,6 +27,17 @@ const U32: f64 = 1.0 / (1u64 << 24) as f64;
 const U_BF16: f64 = 1.0 / 256.0;
 const U_F16: f64 = 1.0 / 2048.0;
 
+/// A gradient dtype's rounding: `round(x)`, its unit roundoff, and its absolute error below the normal
+/// range. Half for the working copies' gradients; f32 for the weights amp's CPU GEMM differentiates
+/// through their masters (`GradientRoute::Master`), which no half rounding touches.
+fn rounding(dtype: DType) -> (fn(f32) -> f32, f64, f64) {
+    match dtype {
+        DType::F16 => (|x| f16::from_f32(x).to_f32(), U_F16, 2f64.powi(-25)),
+        DType::BF16 => (|x| bf16::from_f32(x).to_f32(), U_BF16, 2f64.powi(-134)),
+        _ => (|x| x, U32, 2f64.powi(-150)),
+    }
+}
+
 /// Value `i` of rank `rank`: uniform mantissa in [-1, 1) times 2^k, k in -8..8, so sums mix magnitudes
 /// and cancel. The same on every process (splitmix64).
 fn value(rank: usize, i: usize) -> f32 {
@@ -192,8 +203,7 @@ fn gradients(net: &reliability::Net, rows: std::ops::Range<usize>) -> amp::Resul
     net.named_params()
         .iter()
         .map(|(path, p)| {
-            grads
-                .get(p.trainable().as_tensor())
+            p.grad(path, &grads)?
                 .cloned()
                 .ok_or_else(|| amp::Error::Internal { what: format!("no gradient for {path}") })
         })
@@ -208,7 +218,9 @@ fn f32s(t: &Tensor) -> amp::Result<Vec<f32>> {
 fn two_ranks_with_batch_b_average_to_one_rank_with_batch_2b() -> Outcome {
     on_ranks("two_ranks_with_batch_b_average_to_one_rank_with_batch_2b", 2, |comm| {
         let rank = comm.rank();
-        let net = fp16_net(6, 24, 3, 3)?; // fp16 O2: the gradients are fp16, as they travel in training
+        // fp16 O2: the working copies' gradients are fp16, the weights' f32 (`GradientRoute::Master`),
+        // as they travel in training.
+        let net = fp16_net(6, 24, 3, 3)?;
         let halves = [gradients(&net, 0..8)?, gradients(&net, 8..16)?];
         let full = gradients(&net, 0..16)?;
         let mine = gradients(&net, rank * 8..rank * 8 + 8)?;
@@ -219,21 +231,22 @@ fn two_ranks_with_batch_b_average_to_one_rank_with_batch_2b() -> Outcome {
             let (avg, g0, g1, g) =
                 (f32s(averaged)?, f32s(&halves[0][k])?, f32s(&halves[1][k])?, f32s(&full[k])?);
             let largest = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let (round, u, s) = rounding(averaged.dtype());
             for i in 0..avg.len() {
-                // Exactly what averaging the two ranks' fp16 gradients in f32 and rounding once gives.
-                let want = f16::from_f32((g0[i] + g1[i]) * 0.5).to_f32();
+                // Exactly what averaging the two ranks' gradients in f32 and rounding once to their
+                // dtype gives.
+                let want = round((g0[i] + g1[i]) * 0.5);
                 assert_eq!(avg[i].to_bits(), want.to_bits(), "rank {rank}, tensor {k}, value {i}");
                 // Against one rank with the whole batch: the exact gradients satisfy e = (e0 + e1) / 2;
-                // each fp16 gradient is its exact value rounded once (u16 relative, 2^-25 absolute in the
-                // subnormals), the average is rounded once more, and the f32 sums of the forward and
+                // each gradient is its exact value rounded once to its dtype (u relative, s absolute in
+                // the subnormals), the average is rounded once more, and the f32 sums of the forward and
                 // backward passes differ in order (64 u32 of the tensor's largest gradient covers 16-row
                 // and 24-wide sums with room).
                 let (a, b) = (f64::from(avg[i]), f64::from(g[i]));
-                let bound = 1.01
-                    * U_F16
-                    * (a.abs() + b.abs() + (f64::from(g0[i]).abs() + f64::from(g1[i]).abs()) / 2.0)
-                    + 3.0 * 2f64.powi(-25)
-                    + 64.0 * U32 * f64::from(largest);
+                let bound =
+                    1.01 * u * (a.abs() + b.abs() + (f64::from(g0[i]).abs() + f64::from(g1[i]).abs()) / 2.0)
+                        + 3.0 * s
+                        + 64.0 * U32 * f64::from(largest);
                 assert!((a - b).abs() <= bound, "tensor {k}, value {i}: 2 x 8 rows {a}, 16 rows {b}");
             }
         }
@@ -324,8 +337,7 @@ fn grad_tensors(model: &Vec<amp::nn::Linear>, loss: &Tensor) -> amp::Result<Vec<
         .named_params()
         .iter()
         .map(|(path, p)| {
-            grads
-                .get(p.trainable().as_tensor())
+            p.grad(path, &grads)?
                 .cloned()
                 .ok_or_else(|| amp::Error::Internal { what: format!("no gradient for {path}") })
         })
@@ -348,10 +360,12 @@ fn adam_update_bound(t: u64) -> f64 {
 /// with the dynamic loss scaler and bf16 O2.
 ///
 /// **Per step** (the tight check), at the data-parallel weights and the current loss scale: the averaged
-/// gradient is exactly `round_half((g0 + g1) / 2)` of the two ranks' half gradients, and within
-/// `1.01 u_h (|avg| + |g| + (|g0| + |g1|) / 2) + 3 s_h + 64 u32 max|g|` of the whole batch's gradient `g`.
+/// gradient is exactly `round_h((g0 + g1) / 2)` of the two ranks' gradients, and within
+/// `1.01 u_h (|avg| + |g| + (|g0| + |g1|) / 2) + 3 s_h + 64 u32 max|g|` of the whole batch's gradient `g`,
+/// `h` the gradient's dtype (half for the working copies, f32 for the weights, which amp's CPU GEMM
+/// differentiates through their masters).
 /// Derivation: the exact gradients satisfy `e = (e0 + e1) / 2` (the 1/8 and 1/16 of the means are powers
-/// of two); each computed half gradient is its f32 value rounded once to the half type (relative `u_h`:
+/// of two); each computed gradient is its f32 value rounded once to its dtype (relative `u_h`:
 /// 2^-11 fp16, 2^-8 bf16; absolute `s_h` below the normal range: 2^-25 fp16, 2^-134 bf16), the average
 /// is rounded once more; the f32 sums inside backward differ only in order (16 rows against 2 x 8, and the
 /// 32-wide layer sums), which `64 u32` of the tensor's largest gradient covers. Not averaging (the sum
@@ -399,10 +413,6 @@ fn check_gradients(
     scale: f64,
 ) -> amp::Result<(PerTensor, PerTensor, f64)> {
     let rank = comm.rank();
-    let (u_h, s_h) = match half {
-        Precision::Fp16 => (U_F16, 2f64.powi(-25)),
-        _ => (U_BF16, 2f64.powi(-134)),
-    };
     let scaled = |rows: std::ops::Range<usize>| -> amp::Result<Tensor> {
         Ok((mpi_training::loss(net, step, rows)? * scale)?)
     };
@@ -415,11 +425,9 @@ fn check_gradients(
         let (avg, g0, g1, g) =
             (f32s(averaged)?, f32s(&halves[0][k])?, f32s(&halves[1][k])?, f32s(&whole[k])?);
         let largest = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let (round, u_h, s_h) = rounding(averaged.dtype());
         for i in 0..avg.len() {
-            let want = match half {
-                Precision::Fp16 => f16::from_f32((g0[i] + g1[i]) * 0.5).to_f32(),
-                _ => bf16::from_f32((g0[i] + g1[i]) * 0.5).to_f32(),
-            };
+            let want = round((g0[i] + g1[i]) * 0.5);
             assert_eq!(
                 avg[i].to_bits(),
                 want.to_bits(),

@@ -98,13 +98,18 @@ fn a_non_finite_gradient_skips_the_step_and_changes_nothing() -> amp::Result<()>
                 let before = snapshot(&net, &sgd);
                 let scale = scaler.scale();
                 let mut grads = scaler.scale_loss(&loss)?.backward()?;
-                let working = net.out.weight().trainable().as_tensor();
-                let grad = grads.get(working).expect("gradient").to_dtype(DType::F32)?;
-                let mut values = grad.flatten_all()?.to_vec1::<f32>()?;
+                // Keyed by the working copy, or by the master where amp's CPU GEMM read that.
+                let weight = net.out.weight();
+                let grad = weight.grad("out.weight", &grads)?.expect("gradient").clone();
+                let key = [weight.master(), weight.trainable()]
+                    .into_iter()
+                    .find(|v| grads.get(v.as_tensor()).is_some())
+                    .expect("the variable holding the gradient");
+                let mut values = grad.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                 values[7] = poison;
                 let poisoned =
-                    Tensor::from_vec(values, grad.shape(), &Device::Cpu)?.to_dtype(working.dtype())?;
-                grads.insert(working, poisoned);
+                    Tensor::from_vec(values, grad.shape(), &Device::Cpu)?.to_dtype(grad.dtype())?;
+                grads.insert(key.as_tensor(), poisoned);
                 let unscaled = scaler.unscale(&net, &mut grads)?;
                 assert_eq!(unscaled.first_non_finite.as_deref(), Some("out.weight"));
                 let report =

@@ -12,7 +12,7 @@ use amp::checkpoint::TrainingState;
 use amp::distributed::{Communicator, DataParallel, DataParallelConfig, Mpi, SingleProcess, Zero1};
 use amp::optim::ParamGroups;
 use amp::scaler::SkipReason;
-use amp::{AmpModuleExt, ParamStorage, Precision};
+use amp::{AmpModuleExt, GradientRoute, ParamStorage, Precision};
 use mpi_launch::{on_ranks, on_ranks_with_env, Outcome};
 use mpi_training::{loss, masters, mlp, same_bits, scaler, Kind, Optimizer};
 
@@ -144,7 +144,9 @@ fn sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank() -> 
             [Precision::Fp16, Precision::Bf16].into_iter().flat_map(|h| [(h, Kind::AdamW), (h, Kind::Lamb)])
         {
             let what = format!("{half:?} {kind:?}, rank {rank}");
-            let (dp_net, mut zero_net) = (mlp(half, 5 + rank as u64)?, mlp(half, 5)?); // rank 0 seeds both
+            let (mut dp_net, mut zero_net) = (mlp(half, 5 + rank as u64)?, mlp(half, 5)?); // rank 0 seeds both
+                                                                                           // Sharded masters take gradients against the working copies; data parallelism does so too here.
+            amp::set_gradient_route(&mut dp_net, GradientRoute::Working);
             let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
             dp.broadcast_masters(&dp_net)?;
             let groups = ParamGroups::from_model(&zero_net)?;
@@ -341,7 +343,9 @@ fn a_zero1_checkpoint_saved_on_two_ranks_loads_on_one_rank_and_on_three() -> Out
 
 fn save_on_two_ranks(comm: &Mpi, dir: &std::path::Path) -> Outcome {
     let rank = comm.rank();
-    let (dp_net, mut zero_net) = (mlp(Precision::Fp16, 21)?, mlp(Precision::Fp16, 21)?);
+    let (mut dp_net, mut zero_net) = (mlp(Precision::Fp16, 21)?, mlp(Precision::Fp16, 21)?);
+    // Sharded masters take gradients against the working copies; data parallelism does so too here.
+    amp::set_gradient_route(&mut dp_net, GradientRoute::Working);
     let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
     let mut zero = Zero1::new(comm, ParamGroups::from_model(&zero_net)?, DataParallelConfig::default())?;
     // The file holds every fp32 master: the sharded ones are gathered from their owners.

@@ -6,6 +6,9 @@
 //! before the optimizer updates the weights: a cast cached across an update would be stale. amp's own
 //! master refresh and checkpoint loading clear it as well.
 //!
+//! Products on amp's CPU GEMM cast nothing (the GEMM rounds an operand while packing it), so the cache
+//! serves the casts of other ops and of products elsewhere (CUDA, candle's kernel).
+//!
 //! The trade-off: with one shared cast, backward sums the uses' gradient contributions in the half type
 //! before widening them to the fp32 weight (as PyTorch's autocast cache does); without the cache each is
 //! widened first and summed in f32. The cache saves casts at the cost of one half-precision rounding of

@@ -167,6 +167,19 @@ pub enum Error {
         params: crate::scaler::NoGradients,
     },
 
+    /// A parameter whose gradient candle's store holds twice: once for the half working copy, once for
+    /// the fp32 master.
+    #[error(
+        "`{path}` has two gradients: one through its half working copy and one through its fp32 master \
+         (amp's CPU GEMM reads the master, another op read the working copy); amp's own steps add them: \
+         call `amp::grads_to_masters(&model, &mut grads)` before handing the store to an optimizer, use \
+         `GradScaler::step_fused`, or give the parameter `GradientRoute::Working`"
+    )]
+    SplitGradient {
+        /// The parameter.
+        path: String,
+    },
+
     // ---- optimizers ----
     /// A parameter without an fp32 copy handed to an optimizer that keeps fp32 masters.
     #[error(

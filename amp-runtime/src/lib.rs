@@ -28,12 +28,12 @@ pub use cast_cache::CastCache;
 pub use error::{Error, Result};
 pub use initialize::initialize;
 pub use layer::{Layer, LayerPrecision};
-pub use master::{grads_to_masters, refresh_working_copies};
+pub use master::{grads_to_masters, refresh_working_copies, set_gradient_route};
 pub use module::{
     AmpModule, AmpModuleExt, AskFp16, AskWide, Cursor, HalfSafe, Inherit, LayerSite, NoFp16Under, Plan,
     PlanField, PlanNode, PlanRow, PrecisionPlan, Request, Visitor, VisitorMut,
 };
-pub use param::{Param, ParamStorage};
+pub use param::{GradientRoute, Param, ParamStorage};
 pub use policy::{AmpConfig, LossScaling, OptLevel, Policy};
 pub use precision::{Precision, PrecisionSpec};
 pub use scaler::GradScaler;

@@ -1,6 +1,7 @@
 //! A trainable parameter with an optional fp32 master copy.
 
-use candle_core::{Tensor, Var};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
 
 use crate::error::Result;
 use crate::Precision;
@@ -36,6 +37,24 @@ impl ParamStorage {
     }
 }
 
+/// Which variable a matrix product on amp's CPU GEMM reads for a parameter, and so where backward
+/// delivers the product's gradient.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum GradientRoute {
+    /// The product reads the fp32 master and rounds it to the compute precision while packing (bit for
+    /// bit the working copy's values, so the forward is unchanged); its gradient comes out of the GEMM
+    /// in f32, keyed by the master: never rounded to half, and never added in half in candle's gradient
+    /// store (candle adds every gradient into a fresh zero tensor, and its bf16 add runs at a tenth of
+    /// its f32 add's speed). Ops that are not amp's CPU GEMM (CUDA, candle's kernel, an embedding) read
+    /// the working copy as before. The default.
+    #[default]
+    Master,
+    /// Every op reads the half working copy, whose gradient is half (Apex's O2). What
+    /// `Zero1::shard_masters` sets: a rank holds the masters of its own shard only, and every rank must
+    /// take gradients the same way.
+    Working,
+}
+
 /// A layer parameter.
 ///
 /// The *trainable* variable is what forward reads and what `backward` produces a gradient for. Under O2
@@ -45,12 +64,13 @@ impl ParamStorage {
 pub struct Param {
     trainable: Var,
     master: Option<Var>,
+    route: GradientRoute,
 }
 
 impl Param {
     /// A parameter trained directly, in the variable's own dtype.
     pub fn new(var: Var) -> Self {
-        Param { trainable: var, master: None }
+        Param { trainable: var, master: None, route: GradientRoute::default() }
     }
 
     /// A parameter from a tensor (shares storage when the tensor already is a variable, as the tensors a
@@ -96,6 +116,50 @@ impl Param {
         crate::cast_cache::cast(self.trainable.as_tensor(), precision.dtype())
     }
 
+    /// The parameter as an operand of a product computed in `compute` on `device`. On amp's CPU GEMM
+    /// no cast runs (the GEMM rounds an operand to `compute` while packing it): backward differentiates
+    /// the master ([`GradientRoute::Master`]), whose values the product reads from the working copy
+    /// (the master rounded to the working precision: half the bytes), or, under
+    /// [`GradientRoute::Working`], the trainable variable. Elsewhere it is [`Param::in_precision`].
+    pub(crate) fn for_product(
+        &self,
+        compute: Precision,
+        device: &Device,
+    ) -> candle_core::Result<crate::ops::Operand> {
+        if !crate::dispatch::runs_on_amp_gemm(device, compute) {
+            return Ok(crate::ops::Operand::of(&self.in_precision(compute)?));
+        }
+        Ok(match (self.route, &self.master) {
+            (GradientRoute::Master, Some(master)) => crate::ops::Operand {
+                differentiated: master.as_tensor().clone(),
+                values: (self.trainable.dtype() == compute.dtype())
+                    .then(|| self.trainable.as_tensor().clone()),
+            },
+            _ => crate::ops::Operand::of(self.trainable.as_tensor()),
+        })
+    }
+
+    /// Where products on amp's CPU GEMM take this parameter's gradient.
+    pub fn gradient_route(&self) -> GradientRoute {
+        self.route
+    }
+
+    /// Sets where products on amp's CPU GEMM take this parameter's gradient (for a whole model:
+    /// [`crate::set_gradient_route`]).
+    pub fn set_gradient_route(&mut self, route: GradientRoute) {
+        self.route = route;
+    }
+
+    /// This parameter's gradient in `grads`: keyed by the working copy, or by the master when a product
+    /// on amp's CPU GEMM read the master ([`GradientRoute::Master`]; then it is f32).
+    ///
+    /// # Errors
+    /// [`crate::Error::SplitGradient`] when both hold one (the parameter was read both ways);
+    /// [`crate::grads_to_masters`] adds them.
+    pub fn grad<'g>(&self, path: &str, grads: &'g GradStore) -> Result<Option<&'g Tensor>> {
+        crate::master::gradient(grads, path, &self.trainable, self.master())
+    }
+
     /// Converts the storage. Keeps the master's values exactly where one exists: going from O2 back to
     /// fp32 makes the master the trainable variable; going to O2 makes the current fp32 values the master.
     pub fn set_storage(&mut self, storage: ParamStorage) -> Result<()> {
@@ -103,15 +167,16 @@ impl Param {
             return Ok(());
         }
         let master = self.master().clone();
-        *self = match storage {
-            ParamStorage::Fp32 => Param::new(to_var(&master, Precision::Fp32)?),
-            ParamStorage::Half(p) => Param::new(to_var(&master, p)?),
+        let (trainable, master) = match storage {
+            ParamStorage::Fp32 => (to_var(&master, Precision::Fp32)?, None),
+            ParamStorage::Half(p) => (to_var(&master, p)?, None),
             ParamStorage::MasterAndWorking(p) => {
                 let master = to_var(&master, Precision::Fp32)?;
                 let working = Var::from_tensor(&master.as_tensor().to_dtype(p.dtype())?.detach())?;
-                Param { trainable: working, master: Some(master) }
+                (working, Some(master))
             }
         };
+        (self.trainable, self.master) = (trainable, master);
         Ok(())
     }
 

@@ -70,8 +70,8 @@ pub fn gradients(model: &Vec<Linear>, loss: &Tensor) -> amp::Result<Vec<Vec<f32>
         .named_params()
         .iter()
         .map(|(path, p)| {
-            let g = grads
-                .get(p.trainable().as_tensor())
+            let g = p
+                .grad(path, &grads)?
                 .ok_or_else(|| amp::Error::Internal { what: format!("no gradient for {path}") })?;
             Ok(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
         })

@@ -151,6 +151,12 @@ pub fn choose(device: &Device, precision: Precision, dims: Dims, over: Override)
     choice
 }
 
+/// Whether a product in `precision` on `device` runs on amp's GEMM under the current override (no log
+/// line: what a layer asks before it picks the operands it hands the product).
+pub(crate) fn runs_on_amp_gemm(device: &Device, precision: Precision) -> bool {
+    matches!(decide(device, precision, current_override()).kernel, MatmulKernel::Amp(_))
+}
+
 fn decide(device: &Device, precision: Precision, over: Override) -> Choice {
     let compute = compute_of(precision);
     if !device.is_cpu() {

@@ -357,6 +357,10 @@ impl StepStages for Zero1<'_> {
         true
     }
 
+    fn fold_split_gradients(&self, grads: &mut GradStore) -> Result<()> {
+        crate::optim::fold_split_gradients(&self.groups.params, grads)
+    }
+
     fn reduce(
         &mut self,
         grads: &GradStore,
@@ -364,7 +368,7 @@ impl StepStages for Zero1<'_> {
         _path: &dyn Fn(usize) -> String,
     ) -> Result<Option<String>> {
         let params = &self.groups.params;
-        let all: Vec<Option<&Tensor>> = params.iter().map(|p| grads.get(p.trainable.as_tensor())).collect();
+        let all: Vec<Option<&Tensor>> = params.iter().map(|p| p.grad(grads)).collect::<Result<_>>()?;
         // This rank's own gradients, all of them, before the reduction (to name the rank at fault).
         let (indices, present): (Vec<usize>, Vec<&Tensor>) =
             all.iter().enumerate().filter_map(|(i, g)| g.map(|g| (i, g))).unzip();

@@ -12,7 +12,7 @@ use amp_kernels::{GradSlice, GradSliceMut};
 use super::data_parallel::agree_lowest;
 use super::zero::{no_master, Layout, Zero1};
 use crate::error::{Error, Result};
-use crate::{storage, AmpModule, Cursor, Layer, LayerSite};
+use crate::{storage, AmpModule, Cursor, GradientRoute, Layer, LayerSite};
 
 impl Zero1<'_> {
     /// Shards the fp32 masters too: every rank drops the masters of the half-precision parameters it
@@ -28,7 +28,9 @@ impl Zero1<'_> {
     /// `ParamGroups::from_model` refuses the model (keep using [`local_groups`](Self::local_groups));
     /// [`save_checkpoint`](Self::save_checkpoint) gathers the fp32 masters from their owners, so the
     /// file is the same as without sharding, and [`load_checkpoint`](Self::load_checkpoint) rounds the
-    /// released ones into their working copies. Memory held elsewhere (a `ParamGroups` or optimizer
+    /// released ones into their working copies. Every parameter's gradient is then taken against its
+    /// working copy ([`GradientRoute::Working`], on every rank alike: most ranks hold no master to take
+    /// it against). Memory held elsewhere (a `ParamGroups` or optimizer
     /// over the whole model, built before) keeps the masters alive: drop them.
     ///
     /// # Errors
@@ -81,6 +83,9 @@ impl Zero1<'_> {
         model.visit_mut(&mut Cursor::new(), &mut |site: LayerSite<'_>, layer: &mut dyn Layer| {
             for (name, param) in layer.params_mut() {
                 let i = index[site.param_path(name).as_str()];
+                // Every rank takes every gradient against the working copy, as the ranks without a
+                // master must.
+                param.set_gradient_route(GradientRoute::Working);
                 if release[i] && param.release_master() {
                     released += 4 * param.elem_count();
                 }

@@ -116,7 +116,7 @@ impl MultiHeadAttention {
 fn project(proj: &Linear, x: &Tensor) -> Result<Tensor> {
     let compute = proj.precision().compute;
     let bias = proj.bias().map(|b| b.in_precision(Precision::Fp32)).transpose()?;
-    ops::linear_to(x, &proj.weight().in_precision(compute)?, bias.as_ref(), compute, DType::F32)
+    ops::linear_to(x, &proj.weight().for_product(compute, x.device())?, bias.as_ref(), compute, DType::F32)
 }
 
 /// `(t_q, t_k)` f32: 0 where `j <= i`, `-inf` where `j > i`.

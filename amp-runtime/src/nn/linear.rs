@@ -2,8 +2,9 @@
 //!
 //! Shapes: `x` is `(.., in)`, `W` is `(out, in)`, `b` is `(out)`, `y` is `(.., out)`. The product runs in
 //! the compute precision with f32 accumulation ([`crate::ops::matmul_to`]: amp's GEMM on the CPU, the
-//! weight read transposed in place), the bias is added in f32, and the result is rounded once to the
-//! layer's output precision.
+//! weight read transposed in place and rounded while packed, from its fp32 master under O2:
+//! [`crate::GradientRoute`]), the bias is added in f32, and the result is rounded once to the layer's
+//! output precision.
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
@@ -54,7 +55,9 @@ impl Module for Linear {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let compute = self.precision.compute;
         let out = self.precision.output.map_or(xs.dtype(), |p| p.dtype());
-        let w = self.weight.in_precision(compute)?;
+        // On amp's CPU GEMM the weight is read as its fp32 master and rounded while packing, so its
+        // gradient comes out of the GEMM in f32 (`GradientRoute`); elsewhere the working copy.
+        let w = self.weight.for_product(compute, xs.device())?;
         // The bias in f32: its gradient sums the upstream gradient over the batch, and that sum must not
         // accumulate in half precision. The product is summed in f32 and rounded once, to `out`.
         let bias = self.bias.as_ref().map(|b| b.in_precision(crate::Precision::Fp32)).transpose()?;

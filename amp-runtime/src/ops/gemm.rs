@@ -19,11 +19,50 @@ use crate::Precision;
 /// # Errors
 /// On mismatched shapes, or dtypes the kernel does not take (candle's error).
 pub fn matmul_to(a: &Tensor, b: &Tensor, compute: Precision, out: DType) -> Result<Tensor> {
+    product_to(a, &Operand::of(b), compute, out)
+}
+
+/// A product's `b` operand: the tensor backward differentiates, and the tensor of the same shape whose
+/// values the product reads when they are stored apart (the half working copy of an fp32 master: the
+/// master rounded to the compute precision, half the bytes to read).
+#[derive(Clone, Debug)]
+pub(crate) struct Operand {
+    pub differentiated: Tensor,
+    pub values: Option<Tensor>,
+}
+
+impl Operand {
+    /// An operand read where it is differentiated.
+    pub fn of(t: &Tensor) -> Self {
+        Operand { differentiated: t.clone(), values: None }
+    }
+
+    /// The operand transposed (its last two dimensions).
+    pub fn t(&self) -> Result<Self> {
+        Ok(Operand {
+            differentiated: self.differentiated.t()?,
+            values: self.values.as_ref().map(Tensor::t).transpose()?,
+        })
+    }
+}
+
+/// [`matmul_to`] with `b` read from [`Operand::values`] where given.
+pub(crate) fn product_to(a: &Tensor, b: &Operand, compute: Precision, out: DType) -> Result<Tensor> {
+    let b_values = match &b.values {
+        Some(values)
+            if values.dims() == b.differentiated.dims() && values.device().same_device(a.device()) =>
+        {
+            Some(values)
+        }
+        _ => None,
+    };
+    let b = &b.differentiated;
     let (a, b) = broadcast_batch(a, b)?;
     let dims = dims_of(&a, &b)?;
     match dispatch::explain(a.device(), compute, dims).kernel {
         MatmulKernel::Amp(path) if is_float(a.dtype()) && is_float(b.dtype()) && is_float(out) => {
-            gemm_op(&a, &b, path, compute_of(compute), out)
+            let b_values = if b.rank() == 2 { b_values.cloned() } else { None };
+            gemm_op(&a, &b, GemmOp { path, compute: compute_of(compute), out, b_values })
         }
         _ => {
             let dtype = compute.dtype();
@@ -37,19 +76,21 @@ pub fn matmul_to(a: &Tensor, b: &Tensor, compute: Precision, out: DType) -> Resu
 /// GEMMs and sums the bias gradient in f32. `None` when the dispatcher does not pick amp's GEMM.
 pub(crate) fn linear_bias(
     x: &Tensor,
-    weight: &Tensor,
+    weight: &Operand,
     bias: &Tensor,
     compute: Precision,
     out: DType,
 ) -> Result<Option<Tensor>> {
     let (rows, inputs) = x.dims2()?;
-    let outputs = weight.dim(0)?;
+    let w = &weight.differentiated;
+    let outputs = w.dim(0)?;
     let dims = Dims::new(rows, outputs, inputs);
     match dispatch::explain(x.device(), compute, dims).kernel {
-        MatmulKernel::Amp(path) if [x.dtype(), weight.dtype(), out].into_iter().all(is_float) => {
+        MatmulKernel::Amp(path) if [x.dtype(), w.dtype(), out].into_iter().all(is_float) => {
             let bias = bias.to_dtype(DType::F32)?.contiguous()?;
-            let op = LinearOp { gemm: GemmOp { path, compute: compute_of(compute), out } };
-            Ok(Some(x.apply_op3(weight, &bias, op)?))
+            let gemm = GemmOp { path, compute: compute_of(compute), out, b_values: None };
+            let values = weight.values.clone().filter(|v| v.dims() == w.dims());
+            Ok(Some(x.apply_op3(w, &bias, LinearOp { gemm, values })?))
         }
         _ => Ok(None),
     }
@@ -125,27 +166,29 @@ fn broadcast_batch(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
 
 /// Applies the GEMM op; batch dimensions beyond one are folded first (a copy only when they cannot be
 /// folded in place).
-fn gemm_op(a: &Tensor, b: &Tensor, path: GemmPath, compute: Compute, out: DType) -> Result<Tensor> {
+fn gemm_op(a: &Tensor, b: &Tensor, op: GemmOp) -> Result<Tensor> {
     let rank = a.rank();
     if rank <= 3 {
-        return a.apply_op2(b, GemmOp { path, compute, out });
+        return a.apply_op2(b, op);
     }
     let fold = |t: &Tensor| -> Result<Tensor> {
         let d = t.dims();
         t.reshape((d[..rank - 2].iter().product::<usize>(), d[rank - 2], d[rank - 1]))
     };
-    let y = fold(a)?.apply_op2(&fold(b)?, GemmOp { path, compute, out })?;
+    let y = fold(a)?.apply_op2(&fold(b)?, op)?;
     let mut shape = a.dims()[..rank - 1].to_vec();
     shape.push(b.dim(rank - 1)?);
     y.reshape(shape)
 }
 
 /// The candle op: one amp GEMM, with a backward pass of two more.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct GemmOp {
     path: GemmPath,
     compute: Compute,
     out: DType,
+    /// Where `b`'s values are read, when not from `b` itself (a rank-2 tensor of `b`'s shape).
+    b_values: Option<Tensor>,
 }
 
 /// An operand's elements and strides, from its storage and layout (rank 2 or 3).
@@ -168,7 +211,27 @@ fn operand<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<(MatRef<'a>, 
     Ok((view, batch, [dims[r - 2], dims[r - 1]]))
 }
 
+/// Runs `f` on the CPU storage and layout of `values` when given, else on `storage` and `layout`.
+fn read_from<R>(
+    values: Option<&Tensor>,
+    storage: &CpuStorage,
+    layout: &Layout,
+    f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>,
+) -> Result<R> {
+    let Some(values) = values else { return f(storage, layout) };
+    let (guard, layout) = values.storage_and_layout();
+    match &*guard {
+        candle_core::Storage::Cpu(storage) => f(storage, layout),
+        _ => Err(candle_core::Error::Msg("amp gemm: operand values off the CPU".into())),
+    }
+}
+
 impl GemmOp {
+    /// The op for one of this op's backward products: output `out`, operands read where they are.
+    fn backward(&self, out: DType) -> GemmOp {
+        GemmOp { path: self.path, compute: self.compute, out, b_values: None }
+    }
+
     /// Storage for `len` output elements in the output dtype (f32 unless f16 / bf16 was asked for).
     fn output(&self, len: usize) -> CpuStorage {
         match self.out {
@@ -202,13 +265,16 @@ impl CustomOp2 for GemmOp {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (a, batch, [m, k]) = operand(s1, l1)?;
-        let (b, _, [_, n]) = operand(s2, l2)?;
-        let dims = Dims { batch, m, n, k };
-        let mut storage = self.output(batch * m * n);
-        let c = MatMut { data: out_slice(&mut storage), row_stride: n, batch_stride: m * n };
-        gemm_with(self.path, dims, a, b, c, self.compute, Start::Zero).map_err(candle_core::Error::wrap)?;
-        let shape: Shape = if l1.dims().len() == 3 { (batch, m, n).into() } else { (m, n).into() };
-        Ok((storage, shape))
+        read_from(self.b_values.as_ref(), s2, l2, |s2, l2| {
+            let (b, _, [_, n]) = operand(s2, l2)?;
+            let dims = Dims { batch, m, n, k };
+            let mut storage = self.output(batch * m * n);
+            let c = MatMut { data: out_slice(&mut storage), row_stride: n, batch_stride: m * n };
+            gemm_with(self.path, dims, a, b, c, self.compute, Start::Zero)
+                .map_err(candle_core::Error::wrap)?;
+            let shape: Shape = if l1.dims().len() == 3 { (batch, m, n).into() } else { (m, n).into() };
+            Ok((storage, shape))
+        })
     }
 
     fn bwd(
@@ -218,16 +284,19 @@ impl CustomOp2 for GemmOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let da = grad.apply_op2(&b.t()?, GemmOp { out: a.dtype(), ..*self })?;
-        let db = a.t()?.apply_op2(grad, GemmOp { out: b.dtype(), ..*self })?;
+        let b_read = self.b_values.as_ref().unwrap_or(b);
+        let da = grad.apply_op2(&b_read.t()?, self.backward(a.dtype()))?;
+        let db = a.t()?.apply_op2(grad, self.backward(b.dtype()))?;
         Ok((Some(da), Some(db)))
     }
 }
 
 /// The candle op of a Linear with bias: `x W^T + b` with the bias as the GEMM's starting row.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct LinearOp {
     gemm: GemmOp,
+    /// Where the weight's values are read, when not from the weight itself ([`Operand::values`]).
+    values: Option<Tensor>,
 }
 
 impl CustomOp3 for LinearOp {
@@ -245,19 +314,21 @@ impl CustomOp3 for LinearOp {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, _, [rows, inputs]) = operand(s1, l1)?;
-        let (w, _, [outputs, _]) = operand(s2, l2)?;
-        // The weight (out, in) read as the (in, out) operand: its strides swapped.
-        let w_t = MatRef { row_stride: w.col_stride, col_stride: w.row_stride, ..w };
         let bias = match (s3, l3.contiguous_offsets()) {
             (CpuStorage::F32(v), Some((start, end))) => &v[start..end],
             _ => return Err(candle_core::Error::Msg("amp-linear: the bias must be contiguous f32".into())),
         };
-        let dims = Dims::new(rows, outputs, inputs);
-        let mut storage = self.gemm.output(rows * outputs);
-        let c = MatMut { data: out_slice(&mut storage), row_stride: outputs, batch_stride: 0 };
-        gemm_with(self.gemm.path, dims, x, w_t, c, self.gemm.compute, Start::Bias(bias))
-            .map_err(candle_core::Error::wrap)?;
-        Ok((storage, (rows, outputs).into()))
+        read_from(self.values.as_ref(), s2, l2, |s2, l2| {
+            let (w, _, [outputs, _]) = operand(s2, l2)?;
+            // The weight (out, in) read as the (in, out) operand: its strides swapped.
+            let w_t = MatRef { row_stride: w.col_stride, col_stride: w.row_stride, ..w };
+            let dims = Dims::new(rows, outputs, inputs);
+            let mut storage = self.gemm.output(rows * outputs);
+            let c = MatMut { data: out_slice(&mut storage), row_stride: outputs, batch_stride: 0 };
+            gemm_with(self.gemm.path, dims, x, w_t, c, self.gemm.compute, Start::Bias(bias))
+                .map_err(candle_core::Error::wrap)?;
+            Ok((storage, (rows, outputs).into()))
+        })
     }
 
     fn bwd(
@@ -268,8 +339,8 @@ impl CustomOp3 for LinearOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = grad.apply_op2(w, GemmOp { out: x.dtype(), ..self.gemm })?;
-        let dw = grad.t()?.apply_op2(x, GemmOp { out: w.dtype(), ..self.gemm })?;
+        let dx = grad.apply_op2(self.values.as_ref().unwrap_or(w), self.gemm.backward(x.dtype()))?;
+        let dw = grad.t()?.apply_op2(x, self.gemm.backward(w.dtype()))?;
         let db = grad.to_dtype(DType::F32)?.sum(0)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }

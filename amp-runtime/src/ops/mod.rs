@@ -38,6 +38,7 @@ pub use fp32::{
 };
 pub use gelu::gelu;
 pub use gemm::matmul_to;
+pub(crate) use gemm::Operand;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 
 use candle_core::{DType, Result, Tensor};
@@ -59,14 +60,14 @@ pub fn matmul(a: &Tensor, b: &Tensor, compute: Precision) -> Result<Tensor> {
 /// The product is summed in f32, the bias added in f32 and the sum rounded once (a GEMM epilogue's
 /// order); the bias gradient, a sum over every row, then accumulates in f32, not in half.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, compute: Precision) -> Result<Tensor> {
-    linear_to(x, weight, bias, compute, compute.dtype())
+    linear_to(x, &Operand::of(weight), bias, compute, compute.dtype())
 }
 
 /// [`linear`] with the result in `out`: leading dimensions of `x` are folded into the rows of one
 /// product (the weight is read once, transposed in place).
 pub(crate) fn linear_to(
     x: &Tensor,
-    weight: &Tensor,
+    weight: &Operand,
     bias: Option<&Tensor>,
     compute: Precision,
     out: DType,
@@ -82,10 +83,10 @@ pub(crate) fn linear_to(
     };
     let y = match (fused, bias) {
         (Some(y), _) => y,
-        (None, Some(bias)) => matmul_to(&x2, &weight.t()?, compute, DType::F32)?
+        (None, Some(bias)) => gemm::product_to(&x2, &weight.t()?, compute, DType::F32)?
             .broadcast_add(&bias.to_dtype(DType::F32)?)?
             .to_dtype(out)?,
-        (None, None) => matmul_to(&x2, &weight.t()?, compute, out)?,
+        (None, None) => gemm::product_to(&x2, &weight.t()?, compute, out)?,
     };
     if dims.len() == 2 {
         return Ok(y);

@@ -148,7 +148,7 @@ impl FusedOptimizer for FusedAdam {
         for group in 0..self.core.groups.groups.len() {
             let params = self.kernel_params(group);
             let core = &mut self.core;
-            let present = driver::with_grads(&core.groups.params, Some(group), grads);
+            let present = driver::with_grads(&core.groups.params, Some(group), grads)?;
             let [m, v, vmax] = &mut core.state;
             let (m, v, vmax) = (&mut m.values, &mut v.values, &mut vmax.values);
             driver::for_each_batch(&core.groups.params, &present, |indices, views| {

@@ -12,7 +12,7 @@ use crate::error::Result;
 
 /// The CUDA device the optimizer's gradients are on, if they are on one.
 pub(crate) fn cuda_device(groups: &ParamGroups, grads: &GradStore) -> Option<Device> {
-    let grad = groups.params.iter().find_map(|p| grads.get(p.trainable.as_tensor()))?;
+    let grad = groups.params.iter().find_map(|p| p.grad(grads).ok().flatten())?;
     grad.device().is_cuda().then(|| grad.device().clone())
 }
 

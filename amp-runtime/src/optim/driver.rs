@@ -23,13 +23,14 @@ pub(crate) fn with_grads<'g>(
     params: &[OptimParam],
     group: Option<usize>,
     grads: &'g GradStore,
-) -> Vec<(usize, &'g Tensor)> {
-    params
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| group.is_none_or(|g| p.group == g))
-        .filter_map(|(i, p)| grads.get(p.trainable.as_tensor()).map(|g| (i, g)))
-        .collect()
+) -> Result<Vec<(usize, &'g Tensor)>> {
+    let mut present = Vec::new();
+    for (i, p) in params.iter().enumerate().filter(|(_, p)| group.is_none_or(|g| p.group == g)) {
+        if let Some(grad) = p.grad(grads)? {
+            present.push((i, grad));
+        }
+    }
+    Ok(present)
 }
 
 /// Calls `f(indices, views)` for batches of the parameters in `present` (from [`with_grads`]).

@@ -148,7 +148,7 @@ impl FusedOptimizer for FusedLamb {
         for group in 0..self.core.groups.groups.len() {
             let params = self.kernel_params(group);
             let core = &mut self.core;
-            let present = driver::with_grads(&core.groups.params, Some(group), grads);
+            let present = driver::with_grads(&core.groups.params, Some(group), grads)?;
             let [m, v] = &mut core.state;
             let (m, v, norms) = (&mut m.values, &mut v.values, &mut self.norms);
             driver::for_each_batch(&core.groups.params, &present, |indices, views| {

@@ -85,12 +85,14 @@ pub trait FusedOptimizer {
     fn state_bytes(&self) -> usize;
 }
 
+pub(crate) use params::fold_split_gradients;
+
 /// The optimizer's parameters that have a gradient in `grads` (indices into its parameters), with it.
 #[cfg(feature = "cuda")]
 pub(crate) fn present_grads<'g>(
     optimizer: &dyn FusedOptimizer,
     grads: &'g GradStore,
-) -> Vec<(usize, &'g candle_core::Tensor)> {
+) -> Result<Vec<(usize, &'g candle_core::Tensor)>> {
     driver::with_grads(optimizer.param_groups().params(), None, grads)
 }
 
@@ -98,7 +100,7 @@ pub(crate) fn present_grads<'g>(
 /// read-only pass (deterministic; inf or NaN if any gradient is not finite).
 pub fn global_grad_norm(optimizer: &dyn FusedOptimizer, grads: &GradStore, inv_scale: f32) -> Result<f32> {
     let params = optimizer.param_groups().params();
-    let present = driver::with_grads(params, None, grads);
+    let present = driver::with_grads(params, None, grads)?;
     let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
     crate::passes::global_l2_norm(&tensors, inv_scale)
 }
@@ -114,7 +116,7 @@ pub fn clip_grad_value(
     inv_scale: f32,
 ) -> Result<()> {
     let params = optimizer.param_groups().params();
-    let present = driver::with_grads(params, None, grads);
+    let present = driver::with_grads(params, None, grads)?;
     let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
     let threshold = clip_value / inv_scale;
     crate::storage::for_each_batch_mut(&tensors, |s| amp_kernels::clip::clip_by_value(s, threshold))?;
@@ -149,11 +151,13 @@ impl GradScaler {
         if !loss_finite && !stages.collective() {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
-        let grads = self.scale_loss(loss)?.backward()?;
+        let mut grads = self.scale_loss(loss)?.backward()?;
         let inv_scale = 1.0 / self.scale();
         let params = optimizer.param_groups().params();
+        params::fold_split_gradients(params, &mut grads)?;
+        stages.fold_split_gradients(&mut grads)?;
         self.check_gradients_once(params.iter().map(OptimParam::checked), &grads)?;
-        let present = driver::with_grads(params, None, &grads);
+        let present = driver::with_grads(params, None, &grads)?;
         let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
         let path = |index: usize| params[present[index].0].path.clone();
         let own = stages.reduce(&grads, &tensors, &path)?;

@@ -1,6 +1,7 @@
 //! The parameters an optimizer updates, and their groups.
 
-use candle_core::{DType, Var};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::error::{Error, Result};
@@ -38,14 +39,33 @@ impl OptimParam {
         self.master.elem_count()
     }
 
+    /// This parameter's gradient in `grads` (keyed by the working copy or the master).
+    pub(crate) fn grad<'g>(&self, grads: &'g GradStore) -> Result<Option<&'g Tensor>> {
+        crate::master::gradient(grads, &self.path, &self.trainable, &self.master)
+    }
+
     /// The parameter as the first step's gradient check sees it.
     pub(crate) fn checked(&self) -> crate::scaler::no_grad::Checked<'_> {
         crate::scaler::no_grad::Checked {
             path: &self.path,
             kind: self.kind,
             trainable: self.trainable.as_tensor(),
+            master: self.master.as_tensor(),
         }
     }
+}
+
+/// Adds, for each parameter whose gradient backward delivered both to its working copy and to its
+/// master, the first to the second (what a step that ran backward itself does before reading them).
+pub(crate) fn fold_split_gradients(params: &[OptimParam], grads: &mut GradStore) -> Result<()> {
+    for p in params {
+        if let Some(working) = &p.working {
+            if grads.get(working.as_tensor()).is_some() && grads.get(p.master.as_tensor()).is_some() {
+                crate::master::fold(grads, working, &p.master)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Hyper-parameters a group overrides; `None` keeps the optimizer's.

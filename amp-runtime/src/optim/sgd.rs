@@ -108,7 +108,7 @@ impl FusedOptimizer for FusedSgd {
         for group in 0..self.core.groups.groups.len() {
             let params = self.kernel_params(group);
             let core = &mut self.core;
-            let present = driver::with_grads(&core.groups.params, Some(group), grads);
+            let present = driver::with_grads(&core.groups.params, Some(group), grads)?;
             let [momentum] = &mut core.state;
             let buffers = &mut momentum.values;
             driver::for_each_batch(&core.groups.params, &present, |indices, views| {

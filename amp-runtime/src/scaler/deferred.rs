@@ -154,10 +154,11 @@ impl GradScaler {
         }
         let loss = crate::cuda::loss_f32(loss)?;
         let scaled = self.enabled;
-        let grads = self.queued()?.scaled_loss(&loss, scaled)?.backward()?;
+        let mut grads = self.queued()?.scaled_loss(&loss, scaled)?.backward()?;
         let params = optimizer.param_groups().params();
+        crate::optim::fold_split_gradients(params, &mut grads)?;
         self.check_gradients_once(params.iter().map(crate::optim::OptimParam::checked), &grads)?;
-        let present = crate::optim::present_grads(optimizer, &grads);
+        let present = crate::optim::present_grads(optimizer, &grads)?;
         let paths = || present.iter().map(|(i, _)| params[*i].path.as_str());
         if !self.queued()?.checks(paths()) {
             // The queued steps' skip reasons index the old order: read them first.

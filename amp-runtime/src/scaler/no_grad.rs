@@ -83,11 +83,13 @@ impl fmt::Display for NoGradients {
     }
 }
 
-/// A parameter as the check sees it: path, layer kind, the variable backward should have reached.
+/// A parameter as the check sees it: path, layer kind, the variables backward should have reached
+/// (either: the trainable variable, or its master when a product on amp's GEMM read that).
 pub(crate) struct Checked<'a> {
     pub path: &'a str,
     pub kind: &'a str,
     pub trainable: &'a candle_core::Tensor,
+    pub master: &'a candle_core::Tensor,
 }
 
 /// Parameters of `params` without a gradient in `grads`, each with its likely cause.
@@ -96,7 +98,7 @@ pub(crate) fn find<'a>(params: impl IntoIterator<Item = Checked<'a>>, grads: &Gr
     let mut missing: Vec<(&str, &str)> = Vec::new();
     for param in params {
         total += 1;
-        if grads.get(param.trainable).is_none() {
+        if grads.get(param.trainable).is_none() && grads.get(param.master).is_none() {
             missing.push((param.path, param.kind));
         }
     }
@@ -146,11 +148,17 @@ pub(crate) struct ModelParam {
     path: String,
     kind: &'static str,
     trainable: candle_core::Var,
+    master: candle_core::Var,
 }
 
 impl ModelParam {
     pub fn checked(&self) -> Checked<'_> {
-        Checked { path: &self.path, kind: self.kind, trainable: self.trainable.as_tensor() }
+        Checked {
+            path: &self.path,
+            kind: self.kind,
+            trainable: self.trainable.as_tensor(),
+            master: self.master.as_tensor(),
+        }
     }
 }
 
@@ -159,8 +167,8 @@ pub(crate) fn model_params<M: crate::AmpModule + ?Sized>(model: &M) -> Vec<Model
     let mut out = Vec::new();
     model.visit(&mut crate::Cursor::new(), &mut |site: crate::LayerSite<'_>, layer: &dyn crate::Layer| {
         for (name, param) in layer.params() {
-            let trainable = param.trainable().clone();
-            out.push(ModelParam { path: site.param_path(name), kind: layer.kind(), trainable });
+            let (trainable, master) = (param.trainable().clone(), param.master().clone());
+            out.push(ModelParam { path: site.param_path(name), kind: layer.kind(), trainable, master });
         }
     });
     out

@@ -29,6 +29,13 @@ pub(crate) trait StepStages {
     /// non-finite loss still runs backward and goes to [`verdict`](Self::verdict).
     fn collective(&self) -> bool;
 
+    /// Right after backward: adds the two gradients of each parameter read both as its working copy
+    /// and as its master, for the parameters this stage reads beyond the optimizer's own (which the
+    /// protocol folds itself).
+    fn fold_split_gradients(&self, _grads: &mut GradStore) -> Result<()> {
+        Ok(())
+    }
+
     /// Called with the gradients after backward, before they are checked (`grads`: every gradient of
     /// the backward pass; `present`: those of the optimizer's parameters, `path(i)` naming
     /// `present[i]`'s parameter): returns the parameter whose gradient held inf/NaN as computed here

@@ -177,13 +177,10 @@ impl Job<'_> {
             let (batch, p) = (i / panels, i % panels);
             let base = batch * op.batch_stride + p * width * line_stride;
             let lines = Lines { base, line_stride, k_stride, count: width.min(count - p * width), k, steps };
-            match (op.data, group) {
-                (GradSlice::F32(s), 1) => P::pack(s, lines, width, compute, panel),
-                (GradSlice::F16(s), 1) => P::pack(s, lines, width, compute, panel),
-                (GradSlice::Bf16(s), 1) => P::pack(s, lines, width, compute, panel),
-                (GradSlice::F32(s), _) => pack::pack_grouped(s, lines, width, group, compute, panel),
-                (GradSlice::F16(s), _) => pack::pack_grouped(s, lines, width, group, compute, panel),
-                (GradSlice::Bf16(s), _) => pack::pack_grouped(s, lines, width, group, compute, panel),
+            match op.data {
+                GradSlice::F32(s) => pack::pack_panel(s, lines, width, group, compute, panel),
+                GradSlice::F16(s) => pack::pack_panel(s, lines, width, group, compute, panel),
+                GradSlice::Bf16(s) => pack::pack_panel(s, lines, width, group, compute, panel),
             }
         };
         if parallel {

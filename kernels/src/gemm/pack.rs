@@ -121,15 +121,24 @@ pub(crate) trait PackInto: Copy + Default + Send + Sync {
 impl PackInto for f32 {
     const K_PER_STEP: usize = 1;
 
+    #[inline(always)]
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, compute: Compute, dst: &mut [f32]) {
         let dst = prepare(lines, width, 1, dst);
         let one = |x: S| x.rounded(compute);
         if lines.k_stride == 1 && lines.line_stride != 1 {
-            // k contiguous: read each line in order, write with stride `width`.
+            // k contiguous: each line rounded a chunk at a time into a contiguous buffer (a loop that
+            // vectorises), then written with stride `width`.
             for l in 0..lines.count {
                 let line = &src[lines.base + l * lines.line_stride..][..lines.k];
-                for (out, &x) in dst[l..].iter_mut().step_by(width).zip(line) {
-                    *out = one(x);
+                for (c, chunk) in line.chunks(CHUNK).enumerate() {
+                    let mut buf = [0f32; CHUNK];
+                    for (out, &x) in buf.iter_mut().zip(chunk) {
+                        *out = one(x);
+                    }
+                    let outs = dst[c * CHUNK * width + l..].iter_mut().step_by(width);
+                    for (out, &x) in outs.zip(&buf[..chunk.len()]) {
+                        *out = x;
+                    }
                 }
             }
         } else if lines.line_stride == 1 {
@@ -154,12 +163,14 @@ impl PackInto for f32 {
         src[at + s * lines.k_stride].rounded(compute)
     }
 
+    #[inline(always)]
     fn from_run<S: Source>(run: &[S], compute: Compute, out: &mut [f32]) {
         for (out, &x) in out.iter_mut().zip(run) {
             *out = x.rounded(compute);
         }
     }
 
+    #[inline(always)]
     fn across_lines<S: Source>(
         src: &[S],
         s: usize,
@@ -180,6 +191,81 @@ impl PackInto for f32 {
     }
 }
 
+/// Steps converted at a time by the k-contiguous packing loops, before they are written out with a
+/// stride.
+const CHUNK: usize = 64;
+
+/// Packs one panel: step by step when `group == 1` ([`PackInto::pack`]), else in groups of `group`
+/// steps ([`pack_grouped`]). The packing loops are plain Rust, compiled here a second time for the
+/// widest vector extension the CPU has, where the compiler vectorises them; every path writes the
+/// same bits.
+pub(crate) fn pack_panel<S: Source, P: PackInto>(
+    src: &[S],
+    lines: Lines,
+    width: usize,
+    group: usize,
+    compute: Compute,
+    dst: &mut [P],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::Isa::Avx512.is_supported() {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { vectorised::avx512(src, lines, width, group, compute, dst) };
+        }
+        if crate::Isa::Avx2.is_supported() {
+            // SAFETY: as above.
+            return unsafe { vectorised::avx2(src, lines, width, group, compute, dst) };
+        }
+    }
+    pack_any(src, lines, width, group, compute, dst);
+}
+
+#[inline(always)]
+fn pack_any<S: Source, P: PackInto>(
+    src: &[S],
+    lines: Lines,
+    width: usize,
+    group: usize,
+    compute: Compute,
+    dst: &mut [P],
+) {
+    if group == 1 {
+        P::pack(src, lines, width, compute, dst);
+    } else {
+        pack_grouped(src, lines, width, group, compute, dst);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vectorised {
+    use super::{pack_any, Compute, Lines, PackInto, Source};
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn avx512<S: Source, P: PackInto>(
+        src: &[S],
+        lines: Lines,
+        width: usize,
+        group: usize,
+        compute: Compute,
+        dst: &mut [P],
+    ) {
+        pack_any(src, lines, width, group, compute, dst);
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn avx2<S: Source, P: PackInto>(
+        src: &[S],
+        lines: Lines,
+        width: usize,
+        group: usize,
+        compute: Compute,
+        dst: &mut [P],
+    ) {
+        pack_any(src, lines, width, group, compute, dst);
+    }
+}
+
 /// A bf16 pair: the even `k` in the low half.
 #[inline(always)]
 fn pair<S: Source>(even: S, odd: S) -> u32 {
@@ -189,20 +275,25 @@ fn pair<S: Source>(even: S, odd: S) -> u32 {
 impl PackInto for u32 {
     const K_PER_STEP: usize = 2;
 
+    #[inline(always)]
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, _compute: Compute, dst: &mut [u32]) {
         let dst = prepare(lines, width, 2, dst);
-        let (pairs, odd_k) = (lines.k / 2, lines.k % 2 == 1);
+        let pairs = lines.k / 2;
         if lines.k_stride == 1 && lines.line_stride != 1 {
-            // k contiguous: each line's pairs are adjacent elements.
+            // k contiguous: each line's pairs are adjacent elements. A chunk at a time, every element
+            // rounded into a contiguous buffer of bf16 bits (a loop that vectorises; an odd last `k`
+            // finds its partner zero), then the pairs written with stride `width`.
             for l in 0..lines.count {
                 let line = &src[lines.base + l * lines.line_stride..][..lines.k];
-                let mut outs = dst[l..].iter_mut().step_by(width);
-                // The pairs drive the zip, so `outs` is not advanced past the last full pair.
-                for (two, out) in line.chunks_exact(2).zip(outs.by_ref()) {
-                    *out = pair(two[0], two[1]);
-                }
-                if let (true, Some(out)) = (odd_k, outs.next()) {
-                    *out = u32::from(line[lines.k - 1].bf16_bits());
+                for (c, chunk) in line.chunks(2 * CHUNK).enumerate() {
+                    let mut bits = [0u16; 2 * CHUNK];
+                    for (out, &x) in bits.iter_mut().zip(chunk) {
+                        *out = x.bf16_bits();
+                    }
+                    let outs = dst[c * CHUNK * width + l..].iter_mut().step_by(width);
+                    for (out, two) in outs.zip(bits[..chunk.len().next_multiple_of(2)].chunks_exact(2)) {
+                        *out = u32::from(two[0]) | u32::from(two[1]) << 16;
+                    }
                 }
             }
         } else if lines.line_stride == 1 {
@@ -238,6 +329,7 @@ impl PackInto for u32 {
         u32::from(src[even].bf16_bits()) | u32::from(odd) << 16
     }
 
+    #[inline(always)]
     fn from_run<S: Source>(run: &[S], _compute: Compute, out: &mut [u32]) {
         let mut outs = out.iter_mut();
         for (two, out) in run.chunks_exact(2).zip(outs.by_ref()) {
@@ -248,6 +340,7 @@ impl PackInto for u32 {
         }
     }
 
+    #[inline(always)]
     fn across_lines<S: Source>(
         src: &[S],
         s: usize,
@@ -277,6 +370,7 @@ impl PackInto for u32 {
 
 /// Zeroes what the packing does not write (lines past the operand's edge, steps past `k`) and returns
 /// the steps it writes.
+#[inline(always)]
 fn prepare<P: Copy + Default>(lines: Lines, width: usize, k_per_step: usize, dst: &mut [P]) -> &mut [P] {
     debug_assert_eq!(dst.len(), lines.steps * width);
     let (data, padding) = dst.split_at_mut(lines.k.div_ceil(k_per_step) * width);
@@ -291,6 +385,7 @@ fn prepare<P: Copy + Default>(lines: Lines, width: usize, k_per_step: usize, dst
 
 /// Packs one panel in groups of `group` steps, each group line by line (`[steps / group][width][group]`,
 /// `dst.len() == lines.steps * width`, `lines.steps` a multiple of `group`).
+#[inline(always)]
 pub(crate) fn pack_grouped<S: Source, P: PackInto>(
     src: &[S],
     lines: Lines,

@@ -148,7 +148,7 @@ impl DeviceOptimizer {
         let mut lists: Vec<Vec<u64>> = vec![Vec::new(); self.state.len() + 3];
         let (mut lens, mut kinds) = (Vec::new(), Vec::new());
         for (i, param) in groups.params.iter().enumerate().filter(|(_, p)| p.group == group) {
-            let Some(grad) = grads.get(param.trainable.as_tensor()) else { continue };
+            let Some(grad) = param.grad(grads)? else { continue };
             let grad = device_ref(grad, stream)?;
             let master = device_ref(param.master.as_tensor(), stream)?;
             if master.dtype != Dtype::F32 {
