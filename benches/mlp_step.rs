@@ -87,6 +87,10 @@ fn median(v: &[f64]) -> f64 {
 }
 
 fn main() -> amp::Result<()> {
+    // Freed buffers stay in the process (without it every step faults its buffers in afresh): the
+    // setting a CPU training binary wants; see `amp::memory`.
+    let retained = amp::memory::retain_freed_memory();
+    println!("freed memory retained by the allocator: {retained}");
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a 2-thread pool");
     pool.install(bench)
 }

@@ -12,6 +12,7 @@ pub mod error;
 mod initialize;
 mod layer;
 mod master;
+pub mod memory;
 pub mod module;
 pub mod nn;
 pub mod ops;

@@ -406,6 +406,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
+    // Freed buffers stay in the process for the next step's ops (see `amp::memory`).
+    amp::memory::retain_freed_memory();
     let mut args = <Args as clap::Parser>::parse();
     args.runs =
         args.runs.iter().enumerate().filter(|(i, p)| !args.runs[..*i].contains(p)).map(|(_, p)| *p).collect();
@@ -543,6 +545,8 @@ fn header(args: &Args, source: &Markov, steps: usize, group: Option<Group<'_>>) 
     let dims = amp::dispatch::Dims::new(batch * seq, 4 * embed, embed);
     let f32_path = amp::dispatch::explain(&device, Precision::Fp32, dims);
     println!("matrix products: fp32 on {}; bf16 and fp16 on {}", f32_path.kernel, bf16_kernel(size, &device));
+    let allocator = if cfg!(feature = "mimalloc") { "mimalloc" } else { "the system's" };
+    println!("allocator: {allocator}, freed memory kept for reuse (amp::memory::retain_freed_memory)");
     if let Some(group) = group {
         let world = group.world();
         println!(

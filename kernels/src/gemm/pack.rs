@@ -125,20 +125,25 @@ impl PackInto for f32 {
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, compute: Compute, dst: &mut [f32]) {
         let dst = prepare(lines, width, 1, dst);
         let one = |x: S| x.rounded(compute);
-        if lines.k_stride == 1 && lines.line_stride != 1 {
-            // k contiguous: each line rounded a chunk at a time into a contiguous buffer (a loop that
-            // vectorises), then written with stride `width`.
-            for l in 0..lines.count {
-                let line = &src[lines.base + l * lines.line_stride..][..lines.k];
-                for (c, chunk) in line.chunks(CHUNK).enumerate() {
-                    let mut buf = [0f32; CHUNK];
-                    for (out, &x) in buf.iter_mut().zip(chunk) {
+        if lines.k_stride == 1 && lines.line_stride != 1 && width <= MAX_WIDTH {
+            // k contiguous: a block of CHUNK steps at a time, each line's run rounded into a tile
+            // (contiguous: vectorises), then the tile transposed into the panel, step by step.
+            let mut tile = [[0f32; CHUNK]; MAX_WIDTH];
+            for (c, block) in dst.chunks_mut(CHUNK * width).enumerate() {
+                let steps = block.len() / width;
+                for (l, row) in tile[..lines.count].iter_mut().enumerate() {
+                    let run = &src[lines.base + l * lines.line_stride + c * CHUNK..][..steps];
+                    for (out, &x) in row.iter_mut().zip(run) {
                         *out = one(x);
                     }
-                    let outs = dst[c * CHUNK * width + l..].iter_mut().step_by(width);
-                    for (out, &x) in outs.zip(&buf[..chunk.len()]) {
-                        *out = x;
-                    }
+                }
+                transpose(&tile[..lines.count], steps, width, block);
+            }
+        } else if lines.k_stride == 1 && lines.line_stride != 1 {
+            for l in 0..lines.count {
+                let line = &src[lines.base + l * lines.line_stride..][..lines.k];
+                for (out, &x) in dst[l..].iter_mut().step_by(width).zip(line) {
+                    *out = one(x);
                 }
             }
         } else if lines.line_stride == 1 {
@@ -191,9 +196,24 @@ impl PackInto for f32 {
     }
 }
 
-/// Steps converted at a time by the k-contiguous packing loops, before they are written out with a
-/// stride.
+/// Steps converted at a time by the k-contiguous packing loops, before they are transposed into the
+/// panel.
 const CHUNK: usize = 64;
+
+/// The widest panel those loops transpose through a tile on the stack (every micro-kernel's `nr` and
+/// `mr`; a wider panel takes the plain loop).
+const MAX_WIDTH: usize = 64;
+
+/// Writes `tile[l][s]` (line `l`, step `s < steps`) to `block[s * width + l]`: each step's lines
+/// contiguous in the panel. Lines past `tile.len()` are left as they are (zero).
+#[inline(always)]
+fn transpose<P: Copy>(tile: &[[P; CHUNK]], steps: usize, width: usize, block: &mut [P]) {
+    for (s, row) in block.chunks_exact_mut(width).take(steps).enumerate() {
+        for (out, line) in row.iter_mut().zip(tile) {
+            *out = line[s];
+        }
+    }
+}
 
 /// Packs one panel: step by step when `group == 1` ([`PackInto::pack`]), else in groups of `group`
 /// steps ([`pack_grouped`]). The packing loops are plain Rust, compiled here a second time for the
@@ -279,21 +299,37 @@ impl PackInto for u32 {
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, _compute: Compute, dst: &mut [u32]) {
         let dst = prepare(lines, width, 2, dst);
         let pairs = lines.k / 2;
-        if lines.k_stride == 1 && lines.line_stride != 1 {
-            // k contiguous: each line's pairs are adjacent elements. A chunk at a time, every element
-            // rounded into a contiguous buffer of bf16 bits (a loop that vectorises; an odd last `k`
-            // finds its partner zero), then the pairs written with stride `width`.
-            for l in 0..lines.count {
-                let line = &src[lines.base + l * lines.line_stride..][..lines.k];
-                for (c, chunk) in line.chunks(2 * CHUNK).enumerate() {
+        if lines.k_stride == 1 && lines.line_stride != 1 && width <= MAX_WIDTH {
+            // k contiguous: each line's pairs are adjacent elements. A block of CHUNK steps at a time,
+            // each line's run rounded to bf16 bits and paired into a tile (contiguous: vectorises; an
+            // odd last `k` finds its partner zero), then the tile transposed into the panel.
+            let mut tile = [[0u32; CHUNK]; MAX_WIDTH];
+            for (c, block) in dst.chunks_mut(CHUNK * width).enumerate() {
+                let steps = block.len() / width;
+                let k0 = 2 * c * CHUNK;
+                let ks = (2 * steps).min(lines.k - k0);
+                for (l, row) in tile[..lines.count].iter_mut().enumerate() {
+                    let run = &src[lines.base + l * lines.line_stride + k0..][..ks];
                     let mut bits = [0u16; 2 * CHUNK];
-                    for (out, &x) in bits.iter_mut().zip(chunk) {
+                    for (out, &x) in bits.iter_mut().zip(run) {
                         *out = x.bf16_bits();
                     }
-                    let outs = dst[c * CHUNK * width + l..].iter_mut().step_by(width);
-                    for (out, two) in outs.zip(bits[..chunk.len().next_multiple_of(2)].chunks_exact(2)) {
+                    for (out, two) in row.iter_mut().zip(bits.chunks_exact(2)) {
                         *out = u32::from(two[0]) | u32::from(two[1]) << 16;
                     }
+                }
+                transpose(&tile[..lines.count], steps, width, block);
+            }
+        } else if lines.k_stride == 1 && lines.line_stride != 1 {
+            for l in 0..lines.count {
+                let line = &src[lines.base + l * lines.line_stride..][..lines.k];
+                let mut outs = dst[l..].iter_mut().step_by(width);
+                // The pairs drive the zip, so `outs` is not advanced past the last full pair.
+                for (two, out) in line.chunks_exact(2).zip(outs.by_ref()) {
+                    *out = pair(two[0], two[1]);
+                }
+                if let (true, Some(out)) = (lines.k % 2 == 1, outs.next()) {
+                    *out = u32::from(line[lines.k - 1].bf16_bits());
                 }
             }
         } else if lines.line_stride == 1 {
