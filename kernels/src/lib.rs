@@ -7,6 +7,8 @@
 //!   f32, f16 or bf16 gradients and optionally writing the f16 / bf16 working copy in the same pass.
 //! - [`clip`]: clipping by value, and the clip-by-norm coefficient.
 //! - [`convert`]: f32 <-> f16 / bf16 with `half`'s rounding, bit for bit.
+//! - [`reduce`]: column sums in f32 (a linear layer's bias gradient).
+//! - [`layer_norm`]: layer normalisation forward and backward, one pass each.
 //! - [`scale`]: the dynamic loss scale's state machine (growth, backoff, hysteresis, floor, ceiling).
 //! - [`reference`](mod@reference): slow scalar versions of every kernel, the oracle of the tests.
 //! - [`timing`]: the interleaved timing harness of the workspace's benchmarks.
@@ -52,10 +54,12 @@ pub mod convert;
 pub mod cuda;
 pub mod gemm;
 mod isa;
+pub mod layer_norm;
 pub mod norm;
 pub mod optim;
 mod par;
 mod portable;
+pub mod reduce;
 pub mod reference;
 pub mod scale;
 #[cfg(target_arch = "x86_64")]

@@ -1,10 +1,11 @@
 //! Layer normalisation over the last dimension, statistics in fp32:
 //! `y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias`.
 //!
-//! Written with differentiable candle ops, so it has a backward in every dtype (candle-nn's fused
-//! `layer_norm` has none on contiguous input). The input is widened to f32 first: a mean over `n` values
-//! in half precision accumulates rounding error of order `n * eps_half` and overflows fp16 for large
-//! activations.
+//! On the CPU one op computes it, forward and backward ([`crate::ops`]' fused layer norm: one pass
+//! each, f64 row statistics); elsewhere it is written with differentiable candle ops, so it has a
+//! backward in every dtype (candle-nn's fused `layer_norm` has none on contiguous input). The input is
+//! widened to f32 first: a mean over `n` values in half precision accumulates rounding error of order
+//! `n * eps_half` and overflows fp16 for large activations.
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{init, VarBuilder};
@@ -47,13 +48,18 @@ impl LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.in_precision(crate::Precision::Fp32)?;
+        let bias = self.bias.as_ref().map(|b| b.in_precision(crate::Precision::Fp32)).transpose()?;
+        if let Some(y) = crate::ops::layer_norm(xs, &weight, bias.as_ref(), self.eps)? {
+            return super::cast_output(y, self.precision, xs.dtype());
+        }
         let x = xs.to_dtype(DType::F32)?;
         let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
         let variance = centered.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = centered.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
-        let mut y = normed.broadcast_mul(&self.weight.in_precision(crate::Precision::Fp32)?)?;
-        if let Some(bias) = &self.bias {
-            y = y.broadcast_add(&bias.in_precision(crate::Precision::Fp32)?)?;
+        let mut y = normed.broadcast_mul(&weight)?;
+        if let Some(bias) = &bias {
+            y = y.broadcast_add(bias)?;
         }
         super::cast_output(y, self.precision, xs.dtype())
     }

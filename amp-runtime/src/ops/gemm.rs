@@ -341,7 +341,7 @@ impl CustomOp3 for LinearOp {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dx = grad.apply_op2(self.values.as_ref().unwrap_or(w), self.gemm.backward(x.dtype()))?;
         let dw = grad.t()?.apply_op2(x, self.gemm.backward(w.dtype()))?;
-        let db = grad.to_dtype(DType::F32)?.sum(0)?;
+        let db = super::column_sums::column_sums(grad)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }

@@ -26,9 +26,11 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+mod column_sums;
 mod fp32;
 mod gelu;
 mod gemm;
+mod layer_norm;
 pub mod loss;
 mod promote;
 
@@ -39,6 +41,7 @@ pub use fp32::{
 pub use gelu::gelu;
 pub use gemm::matmul_to;
 pub(crate) use gemm::Operand;
+pub(crate) use layer_norm::layer_norm;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 
 use candle_core::{DType, Result, Tensor};

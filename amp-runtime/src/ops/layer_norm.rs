@@ -1,0 +1,178 @@
+//! Layer normalisation as one candle op on the CPU: forward in one pass, backward in one pass that
+//! returns all three gradients ([`amp_kernels::layer_norm`]), in f32 with f64 row statistics.
+//!
+//! Written with candle's tensor ops, a layer norm is ten ops forward and about twenty backward, each a
+//! pass over the activations with a fresh buffer, and candle's backward adds every gradient into a
+//! fresh zero tensor; the weight's and bias's gradients come from reductions over the rows that candle
+//! runs with a strided inner loop. Off the CPU, [`crate::nn::LayerNorm`] keeps the tensor-op version.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+/// `layer_norm(x) * weight + bias` over the last dimension, in f32 (`x` of any float dtype, widened
+/// exactly; `weight` and `bias` f32 vectors), or `None` off the CPU.
+pub(crate) fn layer_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<Option<Tensor>> {
+    if !x.device().is_cpu() || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Ok(None);
+    }
+    let dims = x.dims().to_vec();
+    let d = *dims.last().ok_or_else(|| candle_core::Error::Msg("layer_norm: x has no dimensions".into()))?;
+    let rows = x.elem_count() / d.max(1);
+    let x2 = x.reshape((rows, d))?;
+    let weight = weight.to_dtype(DType::F32)?;
+    let (bias, has_bias) = match bias {
+        Some(b) => (b.to_dtype(DType::F32)?, true),
+        None => (weight.zeros_like()?.detach(), false),
+    };
+    let y = x2.apply_op3(&weight, &bias, LayerNormOp { eps: eps as f32, has_bias })?;
+    Ok(Some(y.reshape(dims)?))
+}
+
+/// The forward op: `(x, weight, bias) -> y`.
+#[derive(Clone, Copy, Debug)]
+struct LayerNormOp {
+    eps: f32,
+    has_bias: bool,
+}
+
+/// The backward op: `(x, weight, dy) -> [dx; dweight; dbias]`, one `(rows + 2, d)` f32 matrix.
+#[derive(Clone, Copy, Debug)]
+struct LayerNormBackward {
+    eps: f32,
+}
+
+/// A contiguous matrix's elements as a kernel slice.
+fn matrix<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<amp_kernels::GradSlice<'a>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(candle_core::Error::Msg("amp layer_norm: operands must be contiguous".into()));
+    };
+    Ok(match storage {
+        CpuStorage::F32(v) => v[start..end].into(),
+        CpuStorage::F16(v) => v[start..end].into(),
+        CpuStorage::BF16(v) => v[start..end].into(),
+        other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp layer_norm")),
+    })
+}
+
+/// A contiguous f32 vector.
+fn vector<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
+        _ => Err(candle_core::Error::Msg("amp layer_norm: weight and bias must be contiguous f32".into())),
+    }
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "amp-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (rows, d) = l1.shape().dims2()?;
+        let (x, weight) = (matrix(s1, l1)?, vector(s2, l2)?);
+        let bias = if self.has_bias { Some(vector(s3, l3)?) } else { None };
+        let mut y = vec![0f32; rows * d];
+        amp_kernels::layer_norm::forward(x, d, weight, bias, self.eps, &mut y);
+        Ok((CpuStorage::F32(y), (rows, d).into()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let rows = x.dim(0)?;
+        let all = x.apply_op3_no_bwd(weight, &grad.contiguous()?, &LayerNormBackward { eps: self.eps })?;
+        let dx = all.narrow(0, 0, rows)?.to_dtype(x.dtype())?;
+        let (dweight, dbias) = (all.get(rows)?, all.get(rows + 1)?);
+        Ok((Some(dx), Some(dweight), self.has_bias.then_some(dbias)))
+    }
+}
+
+impl CustomOp3 for LayerNormBackward {
+    fn name(&self) -> &'static str {
+        "amp-layer-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (rows, d) = l1.shape().dims2()?;
+        let (x, weight, dy) = (matrix(s1, l1)?, vector(s2, l2)?, matrix(s3, l3)?);
+        let mut all = vec![0f32; (rows + 2) * d];
+        let (dx, sums) = all.split_at_mut(rows * d);
+        let (dweight, dbias) = sums.split_at_mut(d);
+        amp_kernels::layer_norm::backward(x, dy, d, weight, self.eps, dx, dweight, dbias);
+        Ok((CpuStorage::F32(all), (rows + 2, d).into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    /// The tensor-op layer norm (what runs off the CPU).
+    fn composed(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+        let x = x.to_dtype(DType::F32)?;
+        let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+        let variance = centered.sqr()?.mean_keepdim(D::Minus1)?;
+        centered.broadcast_div(&(variance + eps)?.sqrt()?)?.broadcast_mul(w)?.broadcast_add(b)
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    #[test]
+    fn agrees_with_the_tensor_op_version_forward_and_backward() -> Result<()> {
+        let dev = Device::Cpu;
+        for dtype in [DType::F32, DType::BF16] {
+            let x = Var::from_tensor(&(Tensor::randn(0f32, 2.0, (3, 9, 48), &dev)? + 0.5)?.to_dtype(dtype)?)?;
+            let w = Var::from_tensor(&Tensor::randn(1f32, 0.3, 48, &dev)?)?;
+            let b = Var::from_tensor(&Tensor::randn(0f32, 0.3, 48, &dev)?)?;
+            let r = Tensor::randn(0f32, 1.0, (3, 9, 48), &dev)?;
+            let ours =
+                layer_norm(x.as_tensor(), w.as_tensor(), Some(b.as_tensor()), 1e-5)?.expect("on the CPU");
+            let theirs = composed(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)?;
+            assert_eq!((ours.dims(), ours.dtype()), (theirs.dims(), DType::F32));
+            assert!(max_diff(&ours, &theirs)? < 1e-5, "{dtype:?} forward");
+            let (g1, g2) = ((ours * &r)?.sum_all()?.backward()?, (theirs * &r)?.sum_all()?.backward()?);
+            for (name, v) in [("x", &x), ("weight", &w), ("bias", &b)] {
+                let (a, c) = (g1.get(v.as_tensor()).expect("ours"), g2.get(v.as_tensor()).expect("theirs"));
+                assert_eq!(a.dtype(), v.dtype(), "{name}");
+                let tol = if dtype == DType::BF16 && name == "x" { 2e-2 } else { 1e-4 };
+                assert!(max_diff(a, c)? < tol, "{dtype:?} d{name}: {}", max_diff(a, c)?);
+            }
+        }
+        // Without a bias: no gradient for the stand-in zeros.
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 16), &dev)?)?;
+        let w = Var::from_tensor(&Tensor::ones(16, DType::F32, &dev)?)?;
+        let y = layer_norm(x.as_tensor(), w.as_tensor(), None, 1e-5)?.expect("on the CPU");
+        let grads = y.sqr()?.sum_all()?.backward()?;
+        assert!(grads.get(x.as_tensor()).is_some() && grads.get(w.as_tensor()).is_some());
+        Ok(())
+    }
+}

@@ -1,0 +1,203 @@
+//! Layer normalisation over the last dimension of a row-major `rows x d` matrix, forward and backward
+//! in one pass each, in f32 with the row statistics accumulated in f64:
+//!
+//! `y = (x - mean) * rstd * weight + bias`, `rstd = 1 / sqrt(var + eps)` (the biased variance, as
+//! PyTorch and candle-nn). Backward, with `xhat = (x - mean) * rstd` and `g = dy * weight`:
+//! `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`, `dweight = sum over rows of dy * xhat`,
+//! `dbias = sum over rows of dy`.
+//!
+//! Rows are split into fixed blocks run on the current rayon pool; the weight and bias gradients are
+//! summed within each block in row order, then across blocks in block order, so every result is
+//! deterministic and independent of the thread count.
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::GradSlice;
+
+/// Rows per block of the work split.
+const ROWS_PER_BLOCK: usize = 32;
+
+/// The forward pass: `y` (`rows * d`) from `x` (f32, f16 or bf16, widened exactly).
+///
+/// # Panics
+/// If a length does not match `rows` and `d`.
+pub fn forward(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>, eps: f32, y: &mut [f32]) {
+    assert_eq!(weight.len(), d, "layer_norm: weight length");
+    assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
+    assert_eq!(x.len(), y.len(), "layer_norm: x and y lengths");
+    if d == 0 {
+        return;
+    }
+    y.par_chunks_mut(d * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
+        let first = block * ROWS_PER_BLOCK;
+        let mut row = vec![0f32; d];
+        for (i, y) in ys.chunks_exact_mut(d).enumerate() {
+            widen_row(x, (first + i) * d, &mut row);
+            let (mean, rstd) = stats(&row, eps);
+            for (j, (y, &v)) in y.iter_mut().zip(&row).enumerate() {
+                let normed = (v - mean) * rstd;
+                *y = normed * weight[j] + bias.map_or(0.0, |b| b[j]);
+            }
+        }
+    });
+}
+
+/// The backward pass: `dx` (`rows * d`), `dweight` and `dbias` (`d` each, overwritten) from `x` and
+/// the output gradient `dy`.
+///
+/// # Panics
+/// If a length does not match `rows` and `d`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    x: GradSlice<'_>,
+    dy: GradSlice<'_>,
+    d: usize,
+    weight: &[f32],
+    eps: f32,
+    dx: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+) {
+    assert_eq!(weight.len(), d, "layer_norm: weight length");
+    assert_eq!((dweight.len(), dbias.len()), (d, d), "layer_norm: gradient lengths");
+    assert_eq!((x.len(), dy.len()), (dx.len(), dx.len()), "layer_norm: x, dy and dx lengths");
+    dweight.fill(0.0);
+    dbias.fill(0.0);
+    if d == 0 {
+        return;
+    }
+    // Each block: its rows' dx, and its partial weight and bias gradients.
+    let partials: Vec<Vec<f32>> = dx
+        .par_chunks_mut(d * ROWS_PER_BLOCK)
+        .enumerate()
+        .map(|(block, dxs)| {
+            let first = block * ROWS_PER_BLOCK;
+            let (mut row, mut grad) = (vec![0f32; d], vec![0f32; d]);
+            let mut sums = vec![0f32; 2 * d];
+            for (i, dx) in dxs.chunks_exact_mut(d).enumerate() {
+                widen_row(x, (first + i) * d, &mut row);
+                widen_row(dy, (first + i) * d, &mut grad);
+                let (mean, rstd) = stats(&row, eps);
+                let (mut sum_g, mut sum_gx) = (0f64, 0f64);
+                for j in 0..d {
+                    let xhat = (row[j] - mean) * rstd;
+                    let g = grad[j] * weight[j];
+                    sum_g += f64::from(g);
+                    sum_gx += f64::from(g * xhat);
+                    sums[j] += grad[j] * xhat;
+                    sums[d + j] += grad[j];
+                }
+                let (mean_g, mean_gx) = ((sum_g / d as f64) as f32, (sum_gx / d as f64) as f32);
+                for (j, dx) in dx.iter_mut().enumerate() {
+                    let xhat = (row[j] - mean) * rstd;
+                    *dx = rstd * (grad[j] * weight[j] - mean_g - xhat * mean_gx);
+                }
+            }
+            sums
+        })
+        .collect();
+    for sums in &partials {
+        for (acc, &s) in dweight.iter_mut().zip(&sums[..d]) {
+            *acc += s;
+        }
+        for (acc, &s) in dbias.iter_mut().zip(&sums[d..]) {
+            *acc += s;
+        }
+    }
+}
+
+/// Row `d` elements from `at` of `x`, as f32.
+fn widen_row(x: GradSlice<'_>, at: usize, out: &mut [f32]) {
+    let d = out.len();
+    match x {
+        GradSlice::F32(s) => out.copy_from_slice(&s[at..at + d]),
+        GradSlice::F16(s) => out.iter_mut().zip(&s[at..at + d]).for_each(|(o, v)| *o = f16::to_f32(*v)),
+        GradSlice::Bf16(s) => out.iter_mut().zip(&s[at..at + d]).for_each(|(o, v)| *o = bf16::to_f32(*v)),
+    }
+}
+
+/// A row's mean and `1 / sqrt(var + eps)`, accumulated in f64 (two passes: the variance of the
+/// centred values).
+fn stats(row: &[f32], eps: f32) -> (f32, f32) {
+    let n = row.len() as f64;
+    let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+    let var = row.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n;
+    (mean as f32, (1.0 / (var + f64::from(eps)).sqrt()) as f32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f64 layer norm and its gradients, from the definition.
+    fn reference(x: &[f32], dy: &[f32], d: usize, w: &[f32], b: &[f32], eps: f64) -> [Vec<f64>; 4] {
+        let rows = x.len() / d;
+        let (mut y, mut dx, mut dw, mut db) =
+            (vec![0.0; x.len()], vec![0.0; x.len()], vec![0.0; d], vec![0.0; d]);
+        for r in 0..rows {
+            let row: Vec<f64> = x[r * d..][..d].iter().map(|&v| f64::from(v)).collect();
+            let mean = row.iter().sum::<f64>() / d as f64;
+            let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / d as f64;
+            let rstd = 1.0 / (var + eps).sqrt();
+            let xhat: Vec<f64> = row.iter().map(|v| (v - mean) * rstd).collect();
+            let g: Vec<f64> = (0..d).map(|j| f64::from(dy[r * d + j]) * f64::from(w[j])).collect();
+            let mean_g = g.iter().sum::<f64>() / d as f64;
+            let mean_gx = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / d as f64;
+            for j in 0..d {
+                y[r * d + j] = xhat[j] * f64::from(w[j]) + f64::from(b[j]);
+                dx[r * d + j] = rstd * (g[j] - mean_g - xhat[j] * mean_gx);
+                dw[j] += f64::from(dy[r * d + j]) * xhat[j];
+                db[j] += f64::from(dy[r * d + j]);
+            }
+        }
+        [y, dx, dw, db]
+    }
+
+    fn values(n: usize, seed: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.5 - 1.0) * scale).collect()
+    }
+
+    /// Forward and all three gradients within a few f32 roundings of the f64 reference: each output is
+    /// a short chain of f32 operations on values of order one (|xhat| <= sqrt(d)), the row statistics
+    /// are f64, and the weight and bias gradients are f32 sums over `rows` terms (their bound scales
+    /// with the sum of the terms' magnitudes).
+    #[test]
+    fn matches_the_f64_definition() {
+        for (rows, d) in [(1, 1), (3, 7), (70, 256), (33, 1000)] {
+            let (x, dy) = (values(rows * d, 1, 3.0), values(rows * d, 2, 1.0));
+            let (w, b) = (values(d, 3, 2.0), values(d, 4, 0.5));
+            let eps = 1e-5;
+            let [ry, rdx, rdw, rdb] = reference(&x, &dy, d, &w, &b, f64::from(eps));
+            let mut y = vec![0f32; rows * d];
+            forward(GradSlice::F32(&x), d, &w, Some(&b), eps, &mut y);
+            let (mut dx, mut dw, mut db) = (vec![0f32; rows * d], vec![0f32; d], vec![0f32; d]);
+            backward(GradSlice::F32(&x), GradSlice::F32(&dy), d, &w, eps, &mut dx, &mut dw, &mut db);
+            let u = f64::from(f32::EPSILON);
+            let close = |got: &[f32], want: &[f64], tol: f64, what: &str| {
+                for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+                    assert!((f64::from(g) - w).abs() <= tol, "{what} {rows}x{d} [{i}]: {g} vs {w}");
+                }
+            };
+            let scale = (d as f64).sqrt();
+            close(&y, &ry, 16.0 * u * 3.0 * scale, "y");
+            close(&dx, &rdx, 64.0 * u * 3.0 * scale * 10.0, "dx");
+            let sum_abs = rows as f64 * 2.0 * scale;
+            close(&dw, &rdw, 4.0 * u * sum_abs, "dweight");
+            close(&db, &rdb, 4.0 * u * rows as f64, "dbias");
+        }
+    }
+
+    #[test]
+    fn half_inputs_are_widened_exactly() {
+        let (rows, d) = (5, 40);
+        let x = values(rows * d, 5, 4.0);
+        let halves: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let widened: Vec<f32> = halves.iter().map(|v| v.to_f32()).collect();
+        let w = vec![1.0; d];
+        let (mut a, mut b) = (vec![0f32; rows * d], vec![0f32; rows * d]);
+        forward(GradSlice::Bf16(&halves), d, &w, None, 1e-5, &mut a);
+        forward(GradSlice::F32(&widened), d, &w, None, 1e-5, &mut b);
+        assert_eq!(a, b);
+    }
+}
