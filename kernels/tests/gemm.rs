@@ -475,3 +475,41 @@ fn a_bias_row_starts_every_row_and_is_rounded_with_the_sum_once() {
     .unwrap_err();
     assert_eq!(err, GemmError::BiasLength { len: 1, n: 2 });
 }
+
+/// `gemm_new` allocates C and writes every element once: the same bits as `gemm_with` into a C it
+/// does not read (NaN-filled here), on every path, output type, layout and edge shape, with and
+/// without a bias row.
+#[test]
+fn a_new_c_holds_what_gemm_with_writes() {
+    use amp_kernels::gemm::{gemm_new, NewOutput, OutputType};
+    let mut rng = Rng(29);
+    for (out, out_type) in
+        [(Dtype::F32, OutputType::F32), (Dtype::Bf16, OutputType::Bf16), (Dtype::F16, OutputType::F16)]
+    {
+        for compute in [Compute::F32, Compute::Bf16, Compute::F16] {
+            for case in edge_cases(compute, out, false) {
+                let x = inputs(&case, &mut rng, -4, 4);
+                let Dims { batch, m, n, .. } = case.dims;
+                let bias = rng.vec(n, -2, 2);
+                for path in GemmPath::supported().filter(|p| !p.is_bf16_dot() || compute == Compute::Bf16) {
+                    for with_bias in [false, true] {
+                        let mut c = Owned::new(out, &vec![f32::NAN; batch * m * n]);
+                        let view = MatMut { data: c.view_mut(), row_stride: n, batch_stride: m * n };
+                        let start = if with_bias { Start::Bias(&bias) } else { Start::Zero };
+                        gemm_with(path, case.dims, x.a.view(), x.b.view(), view, compute, start).unwrap();
+                        let bias = with_bias.then_some(&bias[..]);
+                        let fresh =
+                            gemm_new(path, case.dims, x.a.view(), x.b.view(), out_type, compute, bias)
+                                .unwrap();
+                        let fresh: Vec<f32> = match fresh {
+                            NewOutput::F32(v) => v,
+                            NewOutput::F16(v) => v.iter().map(|h| h.to_f32()).collect(),
+                            NewOutput::Bf16(v) => v.iter().map(|h| h.to_f32()).collect(),
+                        };
+                        assert_same(&format!("{path} {case:?} bias {with_bias}"), &fresh, &c.to_f32());
+                    }
+                }
+            }
+        }
+    }
+}

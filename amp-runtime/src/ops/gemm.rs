@@ -6,7 +6,7 @@
 //! dtype once. Its backward runs the same GEMM: `dA = dC·B^T` and `dB = A^T·dC`, each written in its
 //! operand's dtype, with `dC` rounded to the compute precision as the forward's operands were.
 
-use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
+use amp_kernels::gemm::{gemm_new, Compute, Dims, GemmPath, MatRef, NewOutput, OutputType};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -232,23 +232,20 @@ impl GemmOp {
         GemmOp { path: self.path, compute: self.compute, out, b_values: None }
     }
 
-    /// Storage for `len` output elements in the output dtype (f32 unless f16 / bf16 was asked for).
-    fn output(&self, len: usize) -> CpuStorage {
-        match self.out {
-            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; len]),
-            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; len]),
-            _ => CpuStorage::F32(vec![0.0; len]),
-        }
-    }
-}
-
-/// The output storage as the kernel's mutable slice.
-fn out_slice(storage: &mut CpuStorage) -> amp_kernels::GradSliceMut<'_> {
-    match storage {
-        CpuStorage::F16(v) => (&mut v[..]).into(),
-        CpuStorage::BF16(v) => (&mut v[..]).into(),
-        CpuStorage::F32(v) => (&mut v[..]).into(),
-        _ => unreachable!("GemmOp::output allocates f32, f16 or bf16"),
+    /// `bias + A·B` into new storage of the output dtype (f32 unless f16 / bf16 was asked for), written
+    /// once (never zeroed first).
+    fn product(&self, dims: Dims, a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<CpuStorage> {
+        let out = match self.out {
+            DType::F16 => OutputType::F16,
+            DType::BF16 => OutputType::Bf16,
+            _ => OutputType::F32,
+        };
+        let c = gemm_new(self.path, dims, a, b, out, self.compute, bias).map_err(candle_core::Error::wrap)?;
+        Ok(match c {
+            NewOutput::F32(v) => CpuStorage::F32(v),
+            NewOutput::F16(v) => CpuStorage::F16(v),
+            NewOutput::Bf16(v) => CpuStorage::BF16(v),
+        })
     }
 }
 
@@ -267,11 +264,7 @@ impl CustomOp2 for GemmOp {
         let (a, batch, [m, k]) = operand(s1, l1)?;
         read_from(self.b_values.as_ref(), s2, l2, |s2, l2| {
             let (b, _, [_, n]) = operand(s2, l2)?;
-            let dims = Dims { batch, m, n, k };
-            let mut storage = self.output(batch * m * n);
-            let c = MatMut { data: out_slice(&mut storage), row_stride: n, batch_stride: m * n };
-            gemm_with(self.path, dims, a, b, c, self.compute, Start::Zero)
-                .map_err(candle_core::Error::wrap)?;
+            let storage = self.product(Dims { batch, m, n, k }, a, b, None)?;
             let shape: Shape = if l1.dims().len() == 3 { (batch, m, n).into() } else { (m, n).into() };
             Ok((storage, shape))
         })
@@ -322,11 +315,7 @@ impl CustomOp3 for LinearOp {
             let (w, _, [outputs, _]) = operand(s2, l2)?;
             // The weight (out, in) read as the (in, out) operand: its strides swapped.
             let w_t = MatRef { row_stride: w.col_stride, col_stride: w.row_stride, ..w };
-            let dims = Dims::new(rows, outputs, inputs);
-            let mut storage = self.gemm.output(rows * outputs);
-            let c = MatMut { data: out_slice(&mut storage), row_stride: outputs, batch_stride: 0 };
-            gemm_with(self.gemm.path, dims, x, w_t, c, self.gemm.compute, Start::Bias(bias))
-                .map_err(candle_core::Error::wrap)?;
+            let storage = self.gemm.product(Dims::new(rows, outputs, inputs), x, w_t, Some(bias))?;
             Ok((storage, (rows, outputs).into()))
         })
     }

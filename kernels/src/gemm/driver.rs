@@ -42,7 +42,55 @@ pub(crate) fn run(
     compute: Compute,
     start: Start<'_>,
 ) {
-    let job = Job { dims, a, b, out: Out::new(c), compute, start };
+    run_job(path, Job { dims, a, b, out: Out::new(c), compute, start });
+}
+
+/// The product into a new dense C of `len = batch * m * n` elements (`start` is not `Output`).
+pub(crate) fn run_new<T: NewElement>(
+    path: GemmPath,
+    dims: Dims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    compute: Compute,
+    start: Start<'_>,
+    len: usize,
+) -> Vec<T> {
+    debug_assert!(!matches!(start, Start::Output), "a new C has nothing to start from");
+    let mut c: Vec<T> = Vec::with_capacity(len);
+    let out = Out { ptr: T::ptr(c.as_mut_ptr()), row_stride: dims.n, batch_stride: dims.m * dims.n };
+    run_job(path, Job { dims, a, b, out, compute, start });
+    // SAFETY: C is dense (row stride n, batch stride m * n) inside its `len` elements, and the job
+    // wrote every one of them: each block's first k-block stores its tiles without loading them
+    // (`Start::Zero` and `Start::Bias` never read C), edge tiles copy their present part out, and an
+    // empty k fills the block with its start.
+    unsafe { c.set_len(len) };
+    c
+}
+
+/// An element type of C.
+pub(crate) trait NewElement: Sized {
+    fn ptr(p: *mut Self) -> Ptr;
+}
+
+impl NewElement for f32 {
+    fn ptr(p: *mut f32) -> Ptr {
+        Ptr::F32(p)
+    }
+}
+
+impl NewElement for f16 {
+    fn ptr(p: *mut f16) -> Ptr {
+        Ptr::F16(p)
+    }
+}
+
+impl NewElement for bf16 {
+    fn ptr(p: *mut bf16) -> Ptr {
+        Ptr::Bf16(p)
+    }
+}
+
+fn run_job(path: GemmPath, job: Job<'_>) {
     const CHECKED: &str = "GemmPath::check found this path supported";
     match path {
         GemmPath::Portable => job.run(micro::FmaPortable),
@@ -65,7 +113,7 @@ pub(crate) fn run(
 
 /// C as a raw pointer, so that parallel blocks can write their disjoint parts.
 #[derive(Clone, Copy)]
-enum Ptr {
+pub(crate) enum Ptr {
     F32(*mut f32),
     F16(*mut f16),
     Bf16(*mut bf16),
@@ -206,9 +254,10 @@ impl Job<'_> {
             Ptr::F32(c) => unsafe {
                 let c = c.add(origin);
                 if let Start::Bias(bias) = self.start {
+                    // Raw copies: C may be uninitialised memory here (`run_new`).
                     for r in 0..blk.rows {
-                        let row = std::slice::from_raw_parts_mut(c.add(r * out.row_stride), blk.cols);
-                        row.copy_from_slice(&bias[blk.col..blk.col + blk.cols]);
+                        let row = &bias[blk.col..blk.col + blk.cols];
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * out.row_stride), blk.cols);
                     }
                 }
                 let starts_from_c = !matches!(self.start, Start::Zero);
@@ -260,8 +309,15 @@ impl Job<'_> {
             );
         }
         for (r, row) in scratch.chunks_exact(blk.cols).enumerate() {
-            // SAFETY: as above.
-            H::narrow(row, unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), blk.cols) });
+            // Rounded through a stack chunk and copied raw: C may be uninitialised memory (`run_new`).
+            let mut rounded = [H::default(); 256];
+            for (i, part) in row.chunks(rounded.len()).enumerate() {
+                H::narrow(part, &mut rounded[..part.len()]);
+                // SAFETY: as above.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(rounded.as_ptr(), c.add(r * ldc + i * 256), part.len());
+                }
+            }
         }
         SCRATCH.set(scratch);
     }
@@ -287,7 +343,8 @@ impl Job<'_> {
             if !starts_from_c {
                 for r in 0..blk.rows {
                     // SAFETY: row r of the block, as the caller guarantees.
-                    unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), blk.cols) }.fill(0.0);
+                    // Raw zero bytes (0.0): C may be uninitialised memory (`run_new`).
+                    unsafe { std::ptr::write_bytes(c.add(r * ldc), 0, blk.cols) };
                 }
             }
             return;
@@ -356,7 +413,7 @@ unsafe fn edge_tile<M: Micro>(
 }
 
 /// A half-precision output element type.
-trait HalfOut: Copy {
+trait HalfOut: Copy + Default {
     fn widen(src: &[Self], dst: &mut [f32]);
     fn narrow(src: &[f32], dst: &mut [Self]);
 }

@@ -203,11 +203,17 @@ fn check_bounds(
     })
 }
 
-/// Every index the product reads or writes is inside its slice, and C's elements are distinct.
-pub(crate) fn check(dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>, c: &MatMut<'_>) -> Result<(), GemmError> {
+/// Every index the product reads of A and B is inside its slice.
+pub(crate) fn check_operands(dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>) -> Result<(), GemmError> {
     let Dims { batch, m, n, k } = dims;
     check_bounds("A", (batch, m, k), [a.batch_stride, a.row_stride, a.col_stride], a.data.len())?;
-    check_bounds("B", (batch, k, n), [b.batch_stride, b.row_stride, b.col_stride], b.data.len())?;
+    check_bounds("B", (batch, k, n), [b.batch_stride, b.row_stride, b.col_stride], b.data.len())
+}
+
+/// Every index the product reads or writes is inside its slice, and C's elements are distinct.
+pub(crate) fn check(dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>, c: &MatMut<'_>) -> Result<(), GemmError> {
+    let Dims { batch, m, n, .. } = dims;
+    check_operands(dims, a, b)?;
     check_bounds("C", (batch, m, n), [c.batch_stride, c.row_stride, 1], c.len())?;
     if batch == 0 || m == 0 || n == 0 {
         return Ok(());

@@ -94,6 +94,59 @@ pub fn gemm_with(
     Ok(())
 }
 
+/// The element type of a C that [`gemm_new`] allocates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputType {
+    /// f32.
+    F32,
+    /// f16, rounded once from the f32 sums.
+    F16,
+    /// bf16, rounded once from the f32 sums.
+    Bf16,
+}
+
+/// A C that [`gemm_new`] allocated: dense, row-major, `batch * m * n` elements.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NewOutput {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// f16 elements.
+    F16(Vec<half::f16>),
+    /// bf16 elements.
+    Bf16(Vec<half::bf16>),
+}
+
+/// `C = A·B` (or `bias + A·B` in every row) into a new dense C of `out`'s type, on `path`. C is
+/// allocated and written once, never zeroed first: the products of the first k-block store where a
+/// zeroed buffer would have been read.
+///
+/// # Errors
+/// As [`gemm_with`].
+pub fn gemm_new(
+    path: GemmPath,
+    dims: Dims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    out: OutputType,
+    compute: Compute,
+    bias: Option<&[f32]>,
+) -> Result<NewOutput, GemmError> {
+    path.check(compute)?;
+    layout::check_operands(dims, &a, &b)?;
+    if let Some(bias) = bias {
+        if bias.len() != dims.n {
+            return Err(GemmError::BiasLength { len: bias.len(), n: dims.n });
+        }
+    }
+    let start = bias.map_or(Start::Zero, Start::Bias);
+    let len = dims.batch.checked_mul(dims.m).and_then(|x| x.checked_mul(dims.n)).expect("C fits in memory");
+    Ok(match out {
+        OutputType::F32 => NewOutput::F32(driver::run_new(path, dims, a, b, compute, start, len)),
+        OutputType::F16 => NewOutput::F16(driver::run_new(path, dims, a, b, compute, start, len)),
+        OutputType::Bf16 => NewOutput::Bf16(driver::run_new(path, dims, a, b, compute, start, len)),
+    })
+}
+
 /// What each element of C starts from before the products are added.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Start<'a> {
