@@ -185,6 +185,13 @@ impl PackInto for f32 {
         stride: usize,
     ) {
         let run = &src[lines.base + s * lines.k_stride..][..lines.count];
+        if stride == 1 {
+            // Contiguous: a loop that vectorises.
+            for (out, &x) in out.iter_mut().zip(run) {
+                *out = x.rounded(compute);
+            }
+            return;
+        }
         for (out, &x) in out.iter_mut().step_by(stride).zip(run) {
             *out = x.rounded(compute);
         }
@@ -203,6 +210,9 @@ const CHUNK: usize = 64;
 /// The widest panel those loops transpose through a tile on the stack (every micro-kernel's `nr` and
 /// `mr`; a wider panel takes the plain loop).
 const MAX_WIDTH: usize = 64;
+
+/// The largest group of steps [`pack_grouped`] transposes through a tile (the AMX kernel's 16).
+const MAX_GROUP: usize = 16;
 
 /// Writes `tile[l][s]` (line `l`, step `s < steps`) to `block[s * width + l]`: each step's lines
 /// contiguous in the panel. Lines past `tile.len()` are left as they are (zero).
@@ -367,12 +377,16 @@ impl PackInto for u32 {
 
     #[inline(always)]
     fn from_run<S: Source>(run: &[S], _compute: Compute, out: &mut [u32]) {
-        let mut outs = out.iter_mut();
-        for (two, out) in run.chunks_exact(2).zip(outs.by_ref()) {
-            *out = pair(two[0], two[1]);
-        }
-        if let ([last], Some(out)) = (run.chunks_exact(2).remainder(), outs.next()) {
-            *out = u32::from(last.bf16_bits());
+        // A chunk at a time: every element rounded to bf16 bits in a contiguous buffer (a loop that
+        // vectorises; an odd last `k` finds its partner zero), then the bits paired.
+        for (run, out) in run.chunks(2 * CHUNK).zip(out.chunks_mut(CHUNK)) {
+            let mut bits = [0u16; 2 * CHUNK];
+            for (b, &x) in bits.iter_mut().zip(run) {
+                *b = x.bf16_bits();
+            }
+            for (o, two) in out.iter_mut().zip(bits.chunks_exact(2)) {
+                *o = u32::from(two[0]) | u32::from(two[1]) << 16;
+            }
         }
     }
 
@@ -386,6 +400,20 @@ impl PackInto for u32 {
         stride: usize,
     ) {
         let even = &src[lines.base + 2 * s * lines.k_stride..][..lines.count];
+        if stride == 1 {
+            // Contiguous: loops that vectorise.
+            if 2 * s + 1 < lines.k {
+                let odd = &src[lines.base + (2 * s + 1) * lines.k_stride..][..lines.count];
+                for ((out, &e), &o) in out.iter_mut().zip(even).zip(odd) {
+                    *out = pair(e, o);
+                }
+            } else {
+                for (out, &e) in out.iter_mut().zip(even) {
+                    *out = u32::from(e.bf16_bits());
+                }
+            }
+            return;
+        }
         let outs = out.iter_mut().step_by(stride);
         if 2 * s + 1 < lines.k {
             let odd = &src[lines.base + (2 * s + 1) * lines.k_stride..][..lines.count];
@@ -446,8 +474,20 @@ pub(crate) fn pack_grouped<S: Source, P: PackInto>(
                 }
                 padding.fill(P::default());
             }
+        } else if lines.line_stride == 1 && width <= MAX_WIDTH && group <= MAX_GROUP {
+            // Lines contiguous: each step's lines one run of the source, converted into a row of a tile
+            // (contiguous: vectorises), then the tile transposed into the group line by line.
+            block.fill(P::default());
+            let mut tile = [[P::default(); MAX_WIDTH]; MAX_GROUP];
+            for (i, row) in tile[..present].iter_mut().enumerate() {
+                P::across_lines(src, first + i, lines, compute, &mut row[..lines.count], 1);
+            }
+            for (l, line) in block.chunks_exact_mut(group).take(lines.count).enumerate() {
+                for (out, row) in line.iter_mut().zip(&tile[..present]) {
+                    *out = row[l];
+                }
+            }
         } else if lines.line_stride == 1 {
-            // Lines contiguous: step by step, each step's lines one run of the source.
             block.fill(P::default());
             for i in 0..present {
                 P::across_lines(src, first + i, lines, compute, &mut block[i..], group);
