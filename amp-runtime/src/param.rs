@@ -41,12 +41,12 @@ impl ParamStorage {
 /// delivers the product's gradient.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum GradientRoute {
-    /// The product reads the fp32 master and rounds it to the compute precision while packing (bit for
-    /// bit the working copy's values, so the forward is unchanged); its gradient comes out of the GEMM
-    /// in f32, keyed by the master: never rounded to half, and never added in half in candle's gradient
-    /// store (candle adds every gradient into a fresh zero tensor, and its bf16 add runs at a tenth of
-    /// its f32 add's speed). Ops that are not amp's CPU GEMM (CUDA, candle's kernel, an embedding) read
-    /// the working copy as before. The default.
+    /// The product's graph argument is the fp32 master, and it reads the half working copy's values
+    /// (the master rounded to the working precision, so the forward is unchanged bit for bit); its
+    /// gradient comes out of the GEMM in f32, keyed by the master: never rounded to half, and never
+    /// added in half in candle's gradient store (candle adds every gradient into a fresh zero tensor,
+    /// and its bf16 add runs at a tenth of its f32 add's speed). Ops that are not amp's CPU GEMM (CUDA,
+    /// candle's kernel, an embedding) read the working copy as before. The default.
     #[default]
     Master,
     /// Every op reads the half working copy, whose gradient is half (Apex's O2). What
@@ -57,7 +57,9 @@ pub enum GradientRoute {
 
 /// A layer parameter.
 ///
-/// The *trainable* variable is what forward reads and what `backward` produces a gradient for. Under O2
+/// The *trainable* variable is what forward reads and what `backward` produces a gradient for (except
+/// for products on amp's CPU GEMM under [`GradientRoute::Master`], whose gradient goes to the master:
+/// read gradients with [`Param::grad`]). Under O2
 /// it is a half working copy and [`Param::master`] is a separate fp32 variable, the source of truth that
 /// optimizers update and checkpoints save; otherwise the trainable variable is its own master.
 #[derive(Clone, Debug)]
