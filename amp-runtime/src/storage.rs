@@ -57,7 +57,7 @@ pub(crate) fn with_slices<R>(tensors: &[&Tensor], f: impl FnOnce(&[GradSlice<'_>
         .iter()
         .zip(tensors)
         .map(|((storage, layout), tensor)| match &**storage {
-            Storage::Cpu(cpu) => read_slice(cpu, layout, tensor),
+            Storage::Cpu(cpu) => read_slice(cpu, layout),
             _ => Err(not_cpu(tensor)),
         })
         .collect::<Result<Vec<_>>>()?;
@@ -125,13 +125,16 @@ fn write_slice<'s>(storage: &'s mut CpuStorage, layout: &Layout) -> Result<GradS
     })
 }
 
-fn read_slice<'s>(storage: &'s CpuStorage, layout: &Layout, tensor: &Tensor) -> Result<GradSlice<'s>> {
+/// The elements of a contiguous f32, f16 or bf16 CPU storage, as the kernels read them.
+pub(crate) fn read_slice<'s>(storage: &'s CpuStorage, layout: &Layout) -> Result<GradSlice<'s>> {
     let (start, end) = layout.contiguous_offsets().ok_or(Error::NotContiguous)?;
     Ok(match storage {
         CpuStorage::F32(v) => GradSlice::F32(&v[start..end]),
         CpuStorage::F16(v) => GradSlice::F16(&v[start..end]),
         CpuStorage::BF16(v) => GradSlice::Bf16(&v[start..end]),
-        _ => return Err(Error::UnsupportedDType { dtype: tensor.dtype() }),
+        other => {
+            return Err(Error::UnsupportedDType { dtype: candle_core::backend::BackendStorage::dtype(other) })
+        }
     })
 }
 

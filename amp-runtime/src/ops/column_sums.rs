@@ -5,7 +5,6 @@
 //! f32 accumulators instead (about 6% of the main job's step went to candle's version). Elsewhere
 //! candle's `sum(0)` in f32 runs.
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 /// `x.sum(0)` in f32 for a matrix `x` `(rows, cols)` of f32, f16 or bf16 (halves widened exactly),
@@ -26,17 +25,7 @@ impl CustomOp1 for ColumnSums {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let (rows, cols) = layout.shape().dims2()?;
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(candle_core::Error::Msg("amp-column-sums: the matrix must be contiguous".into()));
-        };
-        let src: amp_kernels::GradSlice<'_> = match storage {
-            CpuStorage::F32(v) => v[start..end].into(),
-            CpuStorage::F16(v) => v[start..end].into(),
-            CpuStorage::BF16(v) => v[start..end].into(),
-            other => {
-                return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp-column-sums"));
-            }
-        };
+        let src = crate::storage::read_slice(storage, layout).map_err(candle_core::Error::wrap)?;
         let mut out = vec![0f32; cols];
         amp_kernels::reduce::column_sums(src, rows, cols, &mut out);
         Ok((CpuStorage::F32(out), Shape::from(cols)))

@@ -6,7 +6,6 @@
 //! fresh zero tensor; the weight's and bias's gradients come from reductions over the rows that candle
 //! runs with a strided inner loop. Off the CPU, [`crate::nn::LayerNorm`] keeps the tensor-op version.
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 /// `layer_norm(x) * weight + bias` over the last dimension, in f32 (`x` of any float dtype, widened
@@ -48,15 +47,7 @@ struct LayerNormBackward {
 
 /// A contiguous matrix's elements as a kernel slice.
 fn matrix<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<amp_kernels::GradSlice<'a>> {
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        return Err(candle_core::Error::Msg("amp layer_norm: operands must be contiguous".into()));
-    };
-    Ok(match storage {
-        CpuStorage::F32(v) => v[start..end].into(),
-        CpuStorage::F16(v) => v[start..end].into(),
-        CpuStorage::BF16(v) => v[start..end].into(),
-        other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp layer_norm")),
-    })
+    crate::storage::read_slice(storage, layout).map_err(candle_core::Error::wrap)
 }
 
 /// A contiguous f32 vector.
