@@ -91,7 +91,9 @@ pub trait AmpModuleExt: AmpModule {
         out
     }
 
-    /// The variables that `backward` produces gradients for (half working copies under O2).
+    /// The trainable variables (half working copies under O2). `backward` produces gradients for them,
+    /// except for products on amp's CPU GEMM under `GradientRoute::Master`, whose weight gradients go
+    /// to the masters: read a parameter's gradient with `Param::grad`.
     fn trainable_vars(&self) -> Vec<candle_core::Var> {
         self.named_params().into_iter().map(|(_, p)| p.trainable().clone()).collect()
     }
