@@ -3,7 +3,8 @@
 //! 1. Both operands are packed once, every panel of every batch in parallel, into buffers kept per
 //!    calling thread (they grow to the largest product seen and are reused).
 //! 2. C is cut into blocks of `MC x NC`; blocks run in parallel. Inside a block, for each k-block of
-//!    `KC` steps, each B micro-panel (`KC x NR`, L1-sized) is swept by every A micro-panel of the block.
+//!    `KC` steps, each B micro-panel (`KC x NR`, L1-sized) is swept by every A micro-panel of the block,
+//!    while the next B micro-panel is prefetched into L2 (register kernels; [`super::prefetch`]).
 //! 3. f32 output is accumulated in place; f16 / bf16 output is accumulated in an f32 scratch block
 //!    (per worker thread) and rounded once at the end, so a half C never holds a partial sum. A block
 //!    starts from zero, from C, or from a bias row ([`Start`]), written into it before the products.
@@ -19,6 +20,7 @@ use rayon::prelude::*;
 use super::layout::{Dims, MatMut, MatRef};
 use super::micro::{self, Micro, MAX_TILE};
 use super::pack::{self, Lines, PackInto};
+use super::prefetch;
 use super::{Compute, GemmPath, Start};
 use crate::{GradSlice, GradSliceMut};
 
@@ -355,13 +357,28 @@ impl Job<'_> {
             |p: usize| &a_packed[(blk.batch * a_panels + blk.row / M::B.mr + p) * steps * M::B.mr..];
         let b_panel =
             |p: usize| &b_packed[(blk.batch * b_panels + blk.col / M::B.nr + p) * steps * M::B.nr..];
+        let (b_tiles, a_tiles) = (blk.cols.div_ceil(M::B.nr), blk.rows.div_ceil(M::B.mr));
         for k0 in (0..steps).step_by(M::B.kc) {
             let kc = M::B.kc.min(steps - k0);
             let load = starts_from_c || k0 > 0;
-            for jp in 0..blk.cols.div_ceil(M::B.nr) {
+            for jp in 0..b_tiles {
                 let b = b_panel(jp)[k0 * M::B.nr..].as_ptr();
                 let cols = M::B.nr.min(blk.cols - jp * M::B.nr);
-                for ip in 0..blk.rows.div_ceil(M::B.mr) {
+                // The B micro-panel the next tiles sweep: into L2 a slice per tile of this one's sweep.
+                let next_b = if !M::B.prefetch_next_b {
+                    None
+                } else if jp + 1 < b_tiles {
+                    Some(&b_panel(jp + 1)[k0 * M::B.nr..][..kc * M::B.nr])
+                } else if k0 + kc < steps {
+                    let next_kc = M::B.kc.min(steps - k0 - kc);
+                    Some(&b_panel(0)[(k0 + kc) * M::B.nr..][..next_kc * M::B.nr])
+                } else {
+                    None
+                };
+                for ip in 0..a_tiles {
+                    if let Some(next_b) = next_b {
+                        prefetch::part_to_l2(next_b, ip, a_tiles);
+                    }
                     let a = a_panel(ip)[k0 * M::B.mr..].as_ptr();
                     let rows = M::B.mr.min(blk.rows - ip * M::B.mr);
                     // SAFETY: the tile's origin is inside the block (caller), panels hold `kc` steps from

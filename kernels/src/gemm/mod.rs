@@ -44,6 +44,7 @@ mod layout;
 mod micro;
 mod pack;
 mod path;
+mod prefetch;
 
 pub use calibrate::{dot_product_speedup, PeakLoop, DOT_PAYS};
 pub use dpbf16::{dpbf16_lane, dpbf16_pair, tdpbf16_pair};
