@@ -52,6 +52,7 @@ mod backend;
 pub mod clip;
 pub mod convert;
 pub mod cuda;
+pub mod exp;
 pub mod gemm;
 mod isa;
 pub mod layer_norm;
@@ -65,6 +66,7 @@ pub mod scale;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 mod slices;
+pub mod softmax;
 pub mod timing;
 pub mod unscale;
 

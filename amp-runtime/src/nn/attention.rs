@@ -16,7 +16,7 @@
 //! ([`crate::ops::softmax`], differentiable); the probabilities are rounded once to the compute
 //! precision for `probs v`.
 
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::{linear, Linear};
@@ -96,14 +96,11 @@ impl MultiHeadAttention {
         let heads = |x: Tensor, len: usize| -> Result<Tensor> {
             x.reshape((batch, len, self.num_heads, head_dim))?.transpose(1, 2)?.contiguous()
         };
-        let q = (heads(project(&self.q_proj, query)?, t_q)? * (1.0 / (head_dim as f64).sqrt()))?;
+        let q = heads(project(&self.q_proj, query)?, t_q)?;
         let k = heads(project(&self.k_proj, context)?, t_k)?;
         let v = heads(project(&self.v_proj, context)?, t_k)?;
-        let mut scores = ops::matmul_to(&q, &k.t()?, compute, DType::F32)?;
-        if causal {
-            scores = scores.broadcast_add(&causal_mask(t_q, t_k, query.device())?)?;
-        }
-        let probs = ops::softmax(&scores, D::Minus1)?;
+        let scores = ops::matmul_to(&q, &k.t()?, compute, DType::F32)?;
+        let probs = ops::fused_softmax::attention_probs(&scores, 1.0 / (head_dim as f64).sqrt(), causal)?;
         let mixed = ops::matmul_to(&probs, &v, compute, DType::F32)?;
         let mixed = mixed.transpose(1, 2)?.reshape((batch, t_q, embed))?;
         let y = project(&self.out_proj, &mixed)?;
@@ -117,13 +114,6 @@ fn project(proj: &Linear, x: &Tensor) -> Result<Tensor> {
     let compute = proj.precision().compute;
     let bias = proj.bias().map(|b| b.in_precision(Precision::Fp32)).transpose()?;
     ops::linear_to(x, &proj.weight().for_product(compute, x.device())?, bias.as_ref(), compute, DType::F32)
-}
-
-/// `(t_q, t_k)` f32: 0 where `j <= i`, `-inf` where `j > i`.
-fn causal_mask(t_q: usize, t_k: usize, device: &candle_core::Device) -> Result<Tensor> {
-    let mask: Vec<f32> =
-        (0..t_q).flat_map(|i| (0..t_k).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
-    Tensor::from_vec(mask, (t_q, t_k), device)
 }
 
 impl Module for MultiHeadAttention {

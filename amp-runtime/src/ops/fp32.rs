@@ -28,11 +28,17 @@ pub fn pow(x: &Tensor, exponent: f64) -> Result<Tensor> {
 /// `softmax(x)_i = e^(x_i - m) / sum_j e^(x_j - m)` along `dim`, with `m` the maximum along `dim`
 /// (which leaves the result unchanged and keeps every `e^..` in (0, 1]). Computed and returned in f32.
 ///
-/// Differentiable: built from candle ops with a backward (the shift `m` is detached: the softmax does
-/// not depend on it).
+/// Differentiable. Over the last dimension on the CPU one op each way ([`amp_kernels::softmax`], sums
+/// in f64); otherwise built from candle ops with a backward (the shift `m` is detached: the softmax
+/// does not depend on it).
 pub fn softmax<D: Dim>(x: &Tensor, dim: D) -> Result<Tensor> {
     let x = widen(x)?;
     let dim = dim.to_index(x.shape(), "softmax")?;
+    if dim + 1 == x.rank() {
+        if let Some(y) = super::fused_softmax::last_dim(&x)? {
+            return Ok(y);
+        }
+    }
     let e = shifted(&x, dim)?.exp()?;
     e.broadcast_div(&e.sum_keepdim(dim)?)
 }

@@ -12,7 +12,8 @@
 //! Why fp32 for the second class: candle reduces in the storage dtype, so on CPU the sum of 10,000 ones
 //! is 2048 in f16 and 256 in bf16 (the accumulator stops growing once the increment is below half an
 //! ulp), and `exp`, squares and sums overflow fp16 beyond 65504. Every op here is differentiable with
-//! candle's autograd; none uses candle-nn's fused `softmax_last_dim`, which has no backward.
+//! candle's autograd (candle-nn's fused `softmax_last_dim` has no backward). On the CPU, [`softmax`]
+//! over the last dimension is one op each way (`amp_kernels::softmax`), as is GELU.
 //!
 //! f64 inputs are never narrowed: "at least f32" is the rule, so an f64 computation stays f64.
 //!
@@ -28,6 +29,7 @@
 
 mod column_sums;
 mod fp32;
+pub(crate) mod fused_softmax;
 mod gelu;
 mod gemm;
 mod layer_norm;
