@@ -47,12 +47,16 @@
 #![cfg_attr(docsrs, feature(doc_cfg))] // docs.rs: items of the `cuda` feature say so
 #![warn(missing_docs)]
 
+#[macro_use]
+mod vectorise;
+
 mod amx;
 mod backend;
 pub mod clip;
 pub mod convert;
 pub mod cuda;
 pub mod exp;
+pub mod gelu;
 pub mod gemm;
 mod isa;
 pub mod layer_norm;

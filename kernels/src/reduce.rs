@@ -66,20 +66,9 @@ fn dispatch<T: Widen>(src: &[T], rows: usize, cols: usize, out: &mut [f32]) {
     }
 }
 
-/// Sums columns `first..first + out.len()`.
-fn sum_block<T: Widen>(src: &[T], rows: usize, cols: usize, first: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::Isa::Avx512.is_supported() {
-            // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { vectorised::avx512(src, rows, cols, first, out) };
-        }
-        if crate::Isa::Avx2.is_supported() {
-            // SAFETY: as above.
-            return unsafe { vectorised::avx2(src, rows, cols, first, out) };
-        }
-    }
-    sum_block_any(src, rows, cols, first, out);
+widest_vectors! {
+    /// Sums columns `first..first + out.len()`.
+    fn sum_block<T: Widen>(src: &[T], rows: usize, cols: usize, first: usize, out: &mut [f32]) => sum_block_any;
 }
 
 #[inline(always)]
@@ -92,27 +81,6 @@ fn sum_block_any<T: Widen>(src: &[T], rows: usize, cols: usize, first: usize, ou
         }
     }
     out.copy_from_slice(acc);
-}
-
-#[cfg(target_arch = "x86_64")]
-mod vectorised {
-    use super::{sum_block_any, Widen};
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512<T: Widen>(
-        src: &[T],
-        rows: usize,
-        cols: usize,
-        first: usize,
-        out: &mut [f32],
-    ) {
-        sum_block_any(src, rows, cols, first, out);
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2<T: Widen>(src: &[T], rows: usize, cols: usize, first: usize, out: &mut [f32]) {
-        sum_block_any(src, rows, cols, first, out);
-    }
 }
 
 #[cfg(test)]

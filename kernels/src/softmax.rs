@@ -53,17 +53,27 @@ pub fn forward(x: &[f32], cols: usize, scale: f32, mask: Mask, y: &mut [f32]) {
         return;
     }
     assert_eq!(x.len() % cols, 0, "softmax: length not a multiple of cols");
-    y.par_chunks_mut(cols * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
-        let first = block * ROWS_PER_BLOCK;
-        for (i, y) in ys.chunks_exact_mut(cols).enumerate() {
-            let row = first + i;
-            let visible = mask.visible(row, cols);
-            forward_row(&x[row * cols..][..visible], scale, y);
-        }
-    });
+    y.par_chunks_mut(cols * ROWS_PER_BLOCK)
+        .enumerate()
+        .for_each(|(block, ys)| forward_block(x, cols, scale, mask, block * ROWS_PER_BLOCK, ys));
+}
+
+widest_vectors! {
+    /// Rows `first..` of `y` (whole rows).
+    fn forward_block(x: &[f32], cols: usize, scale: f32, mask: Mask, first: usize, ys: &mut [f32])
+        => forward_block_any;
+}
+
+#[inline(always)]
+fn forward_block_any(x: &[f32], cols: usize, scale: f32, mask: Mask, first: usize, ys: &mut [f32]) {
+    for (i, y) in ys.chunks_exact_mut(cols).enumerate() {
+        let row = first + i;
+        forward_row(&x[row * cols..][..mask.visible(row, cols)], scale, y);
+    }
 }
 
 /// One row: its visible part `x` into the first `x.len()` elements of `y`, zeros after.
+#[inline(always)]
 fn forward_row(x: &[f32], scale: f32, y: &mut [f32]) {
     let (shown, hidden) = y.split_at_mut(x.len());
     for (v, &x) in shown.iter_mut().zip(x) {
@@ -71,11 +81,11 @@ fn forward_row(x: &[f32], scale: f32, y: &mut [f32]) {
     }
     // `f32::max` skips NaN; a NaN still reaches the sum below through `v - m`.
     let max = shown.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0f64;
     for v in shown.iter_mut() {
         *v = exp_nonpositive(*v - max);
-        sum += f64::from(*v);
     }
+    // In order, in f64: a loop of its own, so that the one above vectorises.
+    let sum: f64 = shown.iter().map(|&v| f64::from(v)).sum();
     let inverse = 1.0 / sum;
     for v in shown.iter_mut() {
         *v = (f64::from(*v) * inverse) as f32;
@@ -94,18 +104,28 @@ pub fn backward(y: &[f32], dy: &[f32], cols: usize, scale: f32, dx: &mut [f32]) 
         return;
     }
     assert_eq!(dx.len() % cols, 0, "softmax: length not a multiple of cols");
-    dx.par_chunks_mut(cols * ROWS_PER_BLOCK).enumerate().for_each(|(block, dxs)| {
-        let first = block * ROWS_PER_BLOCK;
-        for (i, dx) in dxs.chunks_exact_mut(cols).enumerate() {
-            let at = (first + i) * cols;
-            let (y, dy) = (&y[at..][..cols], &dy[at..][..cols]);
-            let dot: f64 = y.iter().zip(dy).map(|(&y, &g)| f64::from(y) * f64::from(g)).sum();
-            let scale = f64::from(scale);
-            for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(dy) {
-                *dx = (scale * f64::from(y) * (f64::from(g) - dot)) as f32;
-            }
+    dx.par_chunks_mut(cols * ROWS_PER_BLOCK)
+        .enumerate()
+        .for_each(|(block, dxs)| backward_block(y, dy, cols, scale, block * ROWS_PER_BLOCK, dxs));
+}
+
+widest_vectors! {
+    /// Rows `first..` of `dx` (whole rows).
+    fn backward_block(y: &[f32], dy: &[f32], cols: usize, scale: f32, first: usize, dxs: &mut [f32])
+        => backward_block_any;
+}
+
+#[inline(always)]
+fn backward_block_any(y: &[f32], dy: &[f32], cols: usize, scale: f32, first: usize, dxs: &mut [f32]) {
+    for (i, dx) in dxs.chunks_exact_mut(cols).enumerate() {
+        let at = (first + i) * cols;
+        let (y, dy) = (&y[at..][..cols], &dy[at..][..cols]);
+        let dot: f64 = y.iter().zip(dy).map(|(&y, &g)| f64::from(y) * f64::from(g)).sum();
+        let scale = f64::from(scale);
+        for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(dy) {
+            *dx = (scale * f64::from(y) * (f64::from(g) - dot)) as f32;
         }
-    });
+    }
 }
 
 #[cfg(test)]

@@ -7,18 +7,12 @@
 //! `tanhf` and page faults) took about a quarter of the step. Here the forward writes
 //! `0.5 x (1 + tanh(u))` with `u = sqrt(2/pi) (x + 0.044715 x^3)`, and the backward writes
 //! `dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2))` with `t = tanh(u)`: one
-//! read of `x` (and `dy`), one write, the arithmetic in f32 and the result rounded once to the dtype.
+//! read of `x` (and `dy`), one write, the arithmetic in f32 and the result rounded once to the dtype
+//! ([`amp_kernels::gelu`], vectorised for the widest extension the CPU has).
 
-use amp_kernels::exp::exp_nonpositive;
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
+use amp_kernels::{Dtype, GradSlice, GradSliceMut};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
-use rayon::prelude::*;
-
-const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-const CUBIC: f32 = 0.044_715;
-/// Elements per parallel chunk: large enough that a chunk's tanh calls outweigh scheduling it.
-const CHUNK: usize = 8192;
 
 /// GELU with the tanh approximation (the function of `Tensor::gelu` and of GPT-2 / BERT), `x`'s dtype.
 ///
@@ -41,84 +35,30 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// The value and the derivative at `x`.
-#[inline]
-fn gelu_and_slope(x: f32) -> (f32, f32) {
-    let x2 = x * x;
-    let t = tanh(SQRT_2_OVER_PI * x * (1.0 + CUBIC * x2));
-    let value = 0.5 * x * (1.0 + t);
-    let slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * CUBIC * x2);
-    (value, slope)
+/// The elements of a contiguous f32, f16 or bf16 storage.
+fn elements<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<GradSlice<'a>> {
+    crate::storage::read_slice(storage, layout).map_err(candle_core::Error::wrap)
 }
 
-/// `tanh(u)` within 2^-22 absolute (what GELU's `1 + tanh` and `1 - tanh^2` can use), from `e^-2|u|`
-/// by [`exp_nonpositive`]: no library call, so the loops over elements vectorise (libm's `tanhf`,
-/// through `expm1f`, was 17% of a bf16 main-job step).
-#[inline(always)]
-fn tanh(u: f32) -> f32 {
-    let e = exp_nonpositive(-2.0 * u.abs());
-    ((1.0 - e) / (1.0 + e)).copysign(u)
-}
-
-/// A float element computed through f32.
-trait Float: WithDType + Send + Sync {
-    fn wide(self) -> f32;
-    fn narrow(x: f32) -> Self;
-}
-
-impl Float for f32 {
-    fn wide(self) -> f32 {
-        self
-    }
-    fn narrow(x: f32) -> f32 {
-        x
-    }
-}
-
-impl Float for f16 {
-    fn wide(self) -> f32 {
-        self.to_f32()
-    }
-    fn narrow(x: f32) -> f16 {
-        f16::from_f32(x)
-    }
-}
-
-impl Float for bf16 {
-    fn wide(self) -> f32 {
-        self.to_f32()
-    }
-    fn narrow(x: f32) -> bf16 {
-        bf16::from_f32(x)
-    }
-}
-
-/// The contiguous elements `layout` describes (`gelu` makes its input contiguous; gradients are made so).
-fn elements<'a, T: WithDType>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => Err(candle_core::Error::RequiresContiguous { op: "amp gelu" }),
-    }
-}
-
-fn forward<T: Float>(x: &[T]) -> Vec<T> {
-    let mut y = vec![T::zero(); x.len()];
-    y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
-        for (y, &x) in y.iter_mut().zip(x) {
-            *y = T::narrow(gelu_and_slope(x.wide()).0);
+/// A new storage of `len` elements of `dtype`, filled by `fill`.
+fn new_storage(dtype: Dtype, len: usize, fill: impl FnOnce(GradSliceMut<'_>)) -> CpuStorage {
+    match dtype {
+        Dtype::F32 => {
+            let mut v = vec![0f32; len];
+            fill(GradSliceMut::F32(&mut v));
+            CpuStorage::F32(v)
         }
-    });
-    y
-}
-
-fn backward<T: Float, G: Float>(x: &[T], dy: &[G]) -> Vec<T> {
-    let mut dx = vec![T::zero(); x.len()];
-    dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK))).for_each(|(dx, (x, dy))| {
-        for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
-            *dx = T::narrow(dy.wide() * gelu_and_slope(x.wide()).1);
+        Dtype::F16 => {
+            let mut v = vec![f16::ZERO; len];
+            fill(GradSliceMut::F16(&mut v));
+            CpuStorage::F16(v)
         }
-    });
-    dx
+        Dtype::Bf16 => {
+            let mut v = vec![bf16::ZERO; len];
+            fill(GradSliceMut::Bf16(&mut v));
+            CpuStorage::BF16(v)
+        }
+    }
 }
 
 struct Gelu;
@@ -129,12 +69,8 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = match storage {
-            CpuStorage::F32(v) => CpuStorage::F32(forward(elements(v, layout)?)),
-            CpuStorage::F16(v) => CpuStorage::F16(forward(elements(v, layout)?)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(forward(elements(v, layout)?)),
-            other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp gelu")),
-        };
+        let x = elements(storage, layout)?;
+        let y = new_storage(x.dtype(), x.len(), |y| amp_kernels::gelu::forward(x, y));
         Ok((y, layout.shape().clone()))
     }
 
@@ -158,20 +94,8 @@ impl CustomOp2 for GeluBackward {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        fn with_x<G: Float>(xs: &CpuStorage, xl: &Layout, dy: &[G]) -> Result<CpuStorage> {
-            Ok(match xs {
-                CpuStorage::F32(v) => CpuStorage::F32(backward(elements(v, xl)?, dy)),
-                CpuStorage::F16(v) => CpuStorage::F16(backward(elements(v, xl)?, dy)),
-                CpuStorage::BF16(v) => CpuStorage::BF16(backward(elements(v, xl)?, dy)),
-                other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp gelu")),
-            })
-        }
-        let dx = match gs {
-            CpuStorage::F32(g) => with_x(xs, xl, elements(g, gl)?)?,
-            CpuStorage::F16(g) => with_x(xs, xl, elements(g, gl)?)?,
-            CpuStorage::BF16(g) => with_x(xs, xl, elements(g, gl)?)?,
-            other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp gelu")),
-        };
+        let (x, dy) = (elements(xs, xl)?, elements(gs, gl)?);
+        let dx = new_storage(x.dtype(), x.len(), |dx| amp_kernels::gelu::backward(x, dy, dx));
         Ok((dx, xl.shape().clone()))
     }
 }
@@ -213,16 +137,6 @@ mod tests {
     }
 
     #[test]
-    fn tanh_is_within_its_stated_error() {
-        for i in -200_000..=200_000 {
-            let u = i as f32 / 10_000.0;
-            let (got, want) = (f64::from(tanh(u)), f64::from(u).tanh());
-            assert!((got - want).abs() <= 2f64.powi(-22), "tanh({u}) = {got}, {want}");
-        }
-        assert_eq!((tanh(100.0), tanh(-100.0), tanh(0.0)), (1.0, -1.0, 0.0));
-    }
-
-    #[test]
     fn half_inputs_are_computed_in_f32_and_rounded_once() -> Result<()> {
         let xs = inputs();
         for dtype in [DType::F16, DType::BF16] {
@@ -237,7 +151,7 @@ mod tests {
             let (y, dx) =
                 (y.to_dtype(DType::F32)?.to_vec1::<f32>()?, dx.to_dtype(DType::F32)?.to_vec1::<f32>()?);
             for ((&x, &y), &dx) in widened.iter().zip(&y).zip(&dx) {
-                let (want_y, want_dx) = gelu_and_slope(x);
+                let (want_y, want_dx) = amp_kernels::gelu::value_and_slope(x);
                 let round = |v: f32| match dtype {
                     DType::F16 => f16::from_f32(v).to_f32(),
                     _ => bf16::from_f32(v).to_f32(),

@@ -225,30 +225,19 @@ fn transpose<P: Copy>(tile: &[[P; CHUNK]], steps: usize, width: usize, block: &m
     }
 }
 
-/// Packs one panel: step by step when `group == 1` ([`PackInto::pack`]), else in groups of `group`
-/// steps ([`pack_grouped`]). The packing loops are plain Rust, compiled here a second time for the
-/// widest vector extension the CPU has, where the compiler vectorises them; every path writes the
-/// same bits.
-pub(crate) fn pack_panel<S: Source, P: PackInto>(
-    src: &[S],
-    lines: Lines,
-    width: usize,
-    group: usize,
-    compute: Compute,
-    dst: &mut [P],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::Isa::Avx512.is_supported() {
-            // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { vectorised::avx512(src, lines, width, group, compute, dst) };
-        }
-        if crate::Isa::Avx2.is_supported() {
-            // SAFETY: as above.
-            return unsafe { vectorised::avx2(src, lines, width, group, compute, dst) };
-        }
-    }
-    pack_any(src, lines, width, group, compute, dst);
+widest_vectors! {
+    /// Packs one panel: step by step when `group == 1` ([`PackInto::pack`]), else in groups of
+    /// `group` steps ([`pack_grouped`]). The packing loops are plain Rust, compiled for the widest
+    /// vector extension the CPU has, where the compiler vectorises them; every version writes the
+    /// same bits.
+    pub(crate) fn pack_panel<S: Source, P: PackInto>(
+        src: &[S],
+        lines: Lines,
+        width: usize,
+        group: usize,
+        compute: Compute,
+        dst: &mut [P],
+    ) => pack_any;
 }
 
 #[inline(always)]
@@ -264,35 +253,6 @@ fn pack_any<S: Source, P: PackInto>(
         P::pack(src, lines, width, compute, dst);
     } else {
         pack_grouped(src, lines, width, group, compute, dst);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod vectorised {
-    use super::{pack_any, Compute, Lines, PackInto, Source};
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512<S: Source, P: PackInto>(
-        src: &[S],
-        lines: Lines,
-        width: usize,
-        group: usize,
-        compute: Compute,
-        dst: &mut [P],
-    ) {
-        pack_any(src, lines, width, group, compute, dst);
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2<S: Source, P: PackInto>(
-        src: &[S],
-        lines: Lines,
-        width: usize,
-        group: usize,
-        compute: Compute,
-        dst: &mut [P],
-    ) {
-        pack_any(src, lines, width, group, compute, dst);
     }
 }
 

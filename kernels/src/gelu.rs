@@ -1,0 +1,214 @@
+//! GELU with the tanh approximation (GPT-2's and BERT's, candle's `Tensor::gelu`), forward and
+//! backward over f32, f16 or bf16 elements, computed in f32 and rounded once to the output's dtype:
+//!
+//! `gelu(x) = 0.5 x (1 + tanh(u))`, `u = sqrt(2/pi) (x + 0.044715 x^3)`, and
+//! `gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)` with `t = tanh(u)`.
+//!
+//! Elements are split into fixed chunks on the current rayon pool; inside a chunk, blocks are widened
+//! to f32, computed by loops compiled for the widest vector extension the CPU has (`tanh` from
+//! [`crate::exp::exp_nonpositive`], no library call), and narrowed. Each element's result is the same
+//! on every path and thread count.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::exp::exp_nonpositive;
+use crate::{GradSlice, GradSliceMut};
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const CUBIC: f32 = 0.044_715;
+/// Elements per parallel chunk: large enough that a chunk's work outweighs scheduling it.
+const CHUNK: usize = 8192;
+/// Elements widened, computed and narrowed at a time (stack buffers).
+const BLOCK: usize = 256;
+
+/// `gelu(x)` and `gelu'(x)` in f32 (within a few ulps of `max(1, |x|)` of the exact function).
+///
+/// ```
+/// let (value, slope) = amp_kernels::gelu::value_and_slope(2.0);
+/// assert!((value - 1.954_598).abs() < 1e-6 && (slope - 1.086_099).abs() < 1e-6);
+/// ```
+#[inline(always)]
+#[must_use]
+pub fn value_and_slope(x: f32) -> (f32, f32) {
+    let x2 = x * x;
+    let t = tanh(SQRT_2_OVER_PI * x * (1.0 + CUBIC * x2));
+    let value = 0.5 * x * (1.0 + t);
+    let slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * CUBIC * x2);
+    (value, slope)
+}
+
+/// `tanh(u)` within 2^-22 absolute (what GELU's `1 + tanh` and `1 - tanh^2` can use), from `e^-2|u|`:
+/// no library call, so loops over elements vectorise (libm's `tanhf`, through `expm1f`, was 17% of a
+/// bf16 main-job step).
+#[inline(always)]
+fn tanh(u: f32) -> f32 {
+    let e = exp_nonpositive(-2.0 * u.abs());
+    ((1.0 - e) / (1.0 + e)).copysign(u)
+}
+
+/// `y = gelu(x)`, `y` in `x`'s dtype.
+///
+/// # Panics
+/// If the lengths or the dtypes differ.
+pub fn forward(x: GradSlice<'_>, y: GradSliceMut<'_>) {
+    assert_eq!(x.len(), y.len(), "gelu: x and y lengths");
+    match (x, y) {
+        (GradSlice::F32(x), GradSliceMut::F32(y)) => map(x, y),
+        (GradSlice::F16(x), GradSliceMut::F16(y)) => map(x, y),
+        (GradSlice::Bf16(x), GradSliceMut::Bf16(y)) => map(x, y),
+        (x, y) => panic!("gelu: x is {:?} but y is {:?}", x.dtype(), y.dtype()),
+    }
+}
+
+/// `dx = dy * gelu'(x)`, `dx` in `x`'s dtype, `dy` of any.
+///
+/// # Panics
+/// If the lengths differ, or `dx`'s dtype is not `x`'s.
+pub fn backward(x: GradSlice<'_>, dy: GradSlice<'_>, dx: GradSliceMut<'_>) {
+    assert_eq!((x.len(), dy.len()), (dx.len(), dx.len()), "gelu: x, dy and dx lengths");
+    match dy {
+        GradSlice::F32(dy) => backward_from(x, dy, dx),
+        GradSlice::F16(dy) => backward_from(x, dy, dx),
+        GradSlice::Bf16(dy) => backward_from(x, dy, dx),
+    }
+}
+
+fn backward_from<G: Element>(x: GradSlice<'_>, dy: &[G], dx: GradSliceMut<'_>) {
+    match (x, dx) {
+        (GradSlice::F32(x), GradSliceMut::F32(dx)) => map_with(x, dy, dx),
+        (GradSlice::F16(x), GradSliceMut::F16(dx)) => map_with(x, dy, dx),
+        (GradSlice::Bf16(x), GradSliceMut::Bf16(dx)) => map_with(x, dy, dx),
+        (x, dx) => panic!("gelu: x is {:?} but dx is {:?}", x.dtype(), dx.dtype()),
+    }
+}
+
+/// A stored element: widened to f32 and narrowed back a block at a time.
+trait Element: Copy + Send + Sync {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Element for f32 {
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn narrow(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Element for f16 {
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+impl Element for bf16 {
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [bf16]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+fn map<T: Element>(x: &[T], y: &mut [T]) {
+    y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
+        let (mut wide, mut out) = ([0f32; BLOCK], [0f32; BLOCK]);
+        for (y, x) in y.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
+            let (wide, out) = (&mut wide[..x.len()], &mut out[..x.len()]);
+            T::widen(x, wide);
+            values(wide, out);
+            T::narrow(out, y);
+        }
+    });
+}
+
+fn map_with<T: Element, G: Element>(x: &[T], dy: &[G], dx: &mut [T]) {
+    dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK))).for_each(|(dx, (x, dy))| {
+        let (mut wide, mut grad, mut out) = ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
+        for (dx, (x, dy)) in dx.chunks_mut(BLOCK).zip(x.chunks(BLOCK).zip(dy.chunks(BLOCK))) {
+            let n = x.len();
+            let (wide, grad, out) = (&mut wide[..n], &mut grad[..n], &mut out[..n]);
+            T::widen(x, wide);
+            G::widen(dy, grad);
+            gradients(wide, grad, out);
+            T::narrow(out, dx);
+        }
+    });
+}
+
+widest_vectors! {
+    /// `out = gelu(x)` for a block.
+    fn values(x: &[f32], out: &mut [f32]) => values_any;
+}
+
+#[inline(always)]
+fn values_any(x: &[f32], out: &mut [f32]) {
+    for (out, &x) in out.iter_mut().zip(x) {
+        *out = value_and_slope(x).0;
+    }
+}
+
+widest_vectors! {
+    /// `out = dy * gelu'(x)` for a block.
+    fn gradients(x: &[f32], dy: &[f32], out: &mut [f32]) => gradients_any;
+}
+
+#[inline(always)]
+fn gradients_any(x: &[f32], dy: &[f32], out: &mut [f32]) {
+    for ((out, &x), &dy) in out.iter_mut().zip(x).zip(dy) {
+        *out = dy * value_and_slope(x).1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tanh_is_within_its_stated_error() {
+        for i in -200_000..=200_000 {
+            let u = i as f32 / 10_000.0;
+            let (got, want) = (f64::from(tanh(u)), f64::from(u).tanh());
+            assert!((got - want).abs() <= 2f64.powi(-22), "tanh({u}) = {got}, {want}");
+        }
+        assert_eq!((tanh(100.0), tanh(-100.0), tanh(0.0)), (1.0, -1.0, 0.0));
+    }
+
+    /// Every element, whatever its place in the chunks and blocks (lengths around their edges), is the
+    /// scalar function rounded once to the dtype: the vectorised loops compute the same bits.
+    #[test]
+    fn each_element_is_the_scalar_function_rounded_once() {
+        for n in [1, BLOCK - 1, BLOCK + 1, CHUNK + 3, 3 * CHUNK + BLOCK + 7] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 4001) as f32 / 250.0 - 8.0).collect();
+            let dy: Vec<f32> = (0..n).map(|i| ((i * 104_729) % 211) as f32 / 100.0 - 1.0).collect();
+            let (mut y, mut dx) = (vec![0f32; n], vec![0f32; n]);
+            forward(GradSlice::F32(&x), GradSliceMut::F32(&mut y));
+            backward(GradSlice::F32(&x), GradSlice::F32(&dy), GradSliceMut::F32(&mut dx));
+            for i in 0..n {
+                let (value, slope) = value_and_slope(x[i]);
+                assert_eq!(
+                    (y[i].to_bits(), dx[i].to_bits()),
+                    (value.to_bits(), (dy[i] * slope).to_bits()),
+                    "[{i}]"
+                );
+            }
+            let xh: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let dyh: Vec<f16> = dy.iter().map(|&v| f16::from_f32(v)).collect();
+            let (mut yh, mut dxh) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+            forward(GradSlice::Bf16(&xh), GradSliceMut::Bf16(&mut yh));
+            backward(GradSlice::Bf16(&xh), GradSlice::F16(&dyh), GradSliceMut::Bf16(&mut dxh));
+            for i in 0..n {
+                let (value, slope) = value_and_slope(xh[i].to_f32());
+                assert_eq!(yh[i], bf16::from_f32(value), "[{i}]");
+                assert_eq!(dxh[i], bf16::from_f32(dyh[i].to_f32() * slope), "[{i}]");
+            }
+        }
+    }
+}
