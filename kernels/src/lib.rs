@@ -48,7 +48,7 @@
 #![warn(missing_docs)]
 
 #[macro_use]
-mod vectorise;
+pub mod vectorise;
 
 mod amx;
 mod backend;
