@@ -13,7 +13,7 @@
 //! output folder.
 //!
 //! Run: `cargo run --release --example train` (all three runs of the default size, interleaved step
-//! by step: about 1.5 minutes on 2 cores), `-- --size tiny` for the small model, or e.g.
+//! by step: about a minute on 2 cores), `-- --size tiny` for the small model, or e.g.
 //! `cargo run --release --example train -- --precision fp32,fp16 --opt-level O1 --steps 200 --out out/`.
 //! `--help` lists every flag.
 //!
@@ -108,7 +108,7 @@ struct Args {
     #[arg(long, value_name = "LEVEL", default_value = "O2", value_parser = parse_mixed_level)]
     opt_level: OptLevel,
     /// The model: `default` (d_model 256, 4 layers, 128 positions, 8 sequences a step: 21 GFLOP a step,
-    /// 100 steps, about 1.5 minutes for all three runs on 2 cores) or `tiny` (d_model 64, 2 layers, 32
+    /// 100 steps, about a minute for all three runs on 2 cores) or `tiny` (d_model 64, 2 layers, 32
     /// positions: 300 steps, about 20 seconds)
     #[arg(long, value_name = "SIZE", default_value = "default", value_parser = parse_size)]
     size: Size,

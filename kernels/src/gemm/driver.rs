@@ -188,11 +188,14 @@ impl Job<'_> {
             let b_lines = (n, self.b.col_stride, self.b.row_stride);
             self.pack(&self.b, b_lines, (M::B.nr, steps, 1), b_packed, parallel);
             let (a_packed, b_packed) = (&*a_packed, &*b_packed);
-            let (m_blocks, n_blocks) = (m.div_ceil(M::B.mc), n.div_ceil(M::B.nc));
+            let n_blocks = n.div_ceil(M::B.nc);
+            let threads = if parallel { rayon::current_num_threads() } else { 1 };
+            let mc = rows_per_block(m, M::B.mr, M::B.mc, batch * n_blocks, threads);
+            let m_blocks = m.div_ceil(mc);
             let block = |i: usize| {
                 let (batch, rest) = (i / (m_blocks * n_blocks), i % (m_blocks * n_blocks));
-                let (row, col) = (rest / n_blocks * M::B.mc, rest % n_blocks * M::B.nc);
-                let block = Block { batch, row, col, rows: M::B.mc.min(m - row), cols: M::B.nc.min(n - col) };
+                let (row, col) = (rest / n_blocks * mc, rest % n_blocks * M::B.nc);
+                let block = Block { batch, row, col, rows: mc.min(m - row), cols: M::B.nc.min(n - col) };
                 self.block(micro, block, steps, a_packed, b_packed);
             };
             let blocks = batch * m_blocks * n_blocks;
@@ -399,6 +402,22 @@ impl Job<'_> {
     }
 }
 
+/// Rows per block of C: `m` split evenly over the fewest blocks of at most `mc` rows, rounded up to a
+/// multiple of `mr`; when the blocks are few (`other` blocks across the columns and the batch for each
+/// block of rows), over as many more as make the block count a multiple of `threads`: 3 blocks on 2
+/// threads take 2 rounds of a full block, 4 smaller ones 2 rounds of three quarters of one.
+fn rows_per_block(m: usize, mr: usize, mc: usize, other: usize, threads: usize) -> usize {
+    /// Above this many blocks per thread, an uneven last round costs little.
+    const FEW: usize = 8;
+    let mut m_blocks = m.div_ceil(mc);
+    if threads > 1 && m_blocks * other < FEW * threads {
+        while !(m_blocks * other).is_multiple_of(threads) && m_blocks < m.div_ceil(mr) {
+            m_blocks += 1;
+        }
+    }
+    m.div_ceil(m_blocks.max(1)).next_multiple_of(mr).min(mc)
+}
+
 /// A tile cut by C's edge: computed whole in scratch, its present part copied in and out.
 ///
 /// # Safety
@@ -450,5 +469,32 @@ impl HalfOut for bf16 {
     }
     fn narrow(src: &[f32], dst: &mut [bf16]) {
         dst.convert_from_f32_slice(src);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rows_per_block;
+
+    #[test]
+    fn few_blocks_are_split_to_a_multiple_of_the_threads() {
+        // (m, mr, mc, other blocks, threads) -> rows per block, and the block count it gives.
+        for ((m, mr, mc, other, threads), rows) in [
+            ((256, 6, 96, 1, 2), 66),     // 3 blocks of 96 -> 4 of 66 (the last 58)
+            ((1024, 6, 96, 1, 2), 90),    // 11 -> 12 blocks
+            ((1024, 32, 128, 1, 2), 128), // 8 blocks: already even
+            ((256, 6, 96, 2, 2), 90),     // 3 x 2 blocks: already even, of even sizes
+            ((256, 6, 96, 1, 1), 90),     // one thread: no more blocks, evenly sized
+            ((5000, 6, 96, 1, 2), 96),    // 53 blocks: many, the last round costs little
+            ((7, 6, 96, 1, 2), 6),        // 1 -> 2 blocks of at most one tile each
+            ((3, 6, 96, 1, 4), 6),        // a single tile cannot be split
+            ((97, 6, 96, 3, 4), 30),      // 2 x 3 -> 4 x 3 blocks
+        ] {
+            let got = rows_per_block(m, mr, mc, other, threads);
+            assert_eq!(got, rows, "m {m} mr {mr} mc {mc} other {other} threads {threads}");
+            assert!(got.is_multiple_of(mr) && got <= mc);
+            let blocks = m.div_ceil(got) * other;
+            assert!(blocks.is_multiple_of(threads) || blocks >= 8 * threads || got == mr, "{blocks} blocks");
+        }
     }
 }
