@@ -1,4 +1,4 @@
-//! AMX (Advanced Matrix Extensions): whether this process may use the tile registers.
+//! AMX (Advanced Matrix Extensions, x86-64 only): whether this process may use the tile registers.
 //!
 //! Three things must hold: the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), the
 //! kernel manages the 8 KiB of tile state, and this process has asked for it. Linux (5.16 and later)
@@ -14,7 +14,6 @@ pub(crate) fn is_enabled() -> bool {
     *ENABLED.get_or_init(|| cpu_has_amx_bf16() && os::request_tile_data())
 }
 
-#[cfg(target_arch = "x86_64")]
 fn cpu_has_amx_bf16() -> bool {
     use std::arch::x86_64::{__cpuid, __cpuid_count};
     const AMX_BF16: u32 = 1 << 22;
@@ -30,12 +29,7 @@ fn cpu_has_amx_bf16() -> bool {
     edx & (AMX_BF16 | AMX_TILE) == AMX_BF16 | AMX_TILE
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-fn cpu_has_amx_bf16() -> bool {
-    false
-}
-
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+#[cfg(target_os = "linux")]
 mod os {
     /// `ARCH_REQ_XCOMP_PERM` from `asm/prctl.h`.
     const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
@@ -49,7 +43,7 @@ mod os {
     }
 }
 
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+#[cfg(not(target_os = "linux"))]
 mod os {
     /// Other systems: not used (Windows enables AMX without a request, but it is untested here).
     pub(super) fn request_tile_data() -> bool {

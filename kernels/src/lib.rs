@@ -50,6 +50,7 @@
 #[macro_use]
 pub mod vectorise;
 
+#[cfg(target_arch = "x86_64")]
 mod amx;
 mod backend;
 pub mod clip;

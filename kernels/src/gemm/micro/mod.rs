@@ -52,6 +52,7 @@ pub(crate) struct Blocking {
 pub(crate) const F32_6X16: Blocking =
     Blocking { mr: 6, nr: 16, k_per_step: 1, kc: 256, mc: 96, nc: 256, a_group: 1, prefetch_next_b: true };
 /// 6 x 64 f32 tiles (four zmm per row): a 128-step B micro-panel is 32 KiB.
+#[cfg(target_arch = "x86_64")]
 pub(crate) const F32_6X64: Blocking =
     Blocking { mr: 6, nr: 64, k_per_step: 1, kc: 128, mc: 96, nc: 256, a_group: 1, prefetch_next_b: true };
 /// 6 x 64 tiles of bf16 pairs (four zmm per row): a 128-step B micro-panel is 32 KiB.
