@@ -105,6 +105,36 @@ fn attention_matches_f64_in_fp16_and_bf16_forward_and_backward() -> Result<()> {
     Ok(())
 }
 
+/// Where the products run on candle's kernel (CUDA, or forced as here), whose output is rounded to the
+/// compute precision, `q` is scaled before `q k^T` and the mask and softmax are candle ops: held to the
+/// same f64 reference and tolerance, forward and backward.
+#[test]
+fn attention_on_candles_kernel_matches_f64_too() -> Result<()> {
+    let mut inputs = vec![common::randn_in(3, &[2, 7, EMBED], 1.0, DType::F32)?];
+    inputs.extend(weights()?);
+    let inputs64 = inputs.iter().map(|t| t.to_dtype(DType::F64)).collect::<Result<Vec<_>>>()?;
+    let names = ["x", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo"];
+    for causal in [false, true] {
+        let (y_ref, grads_ref) = common::value_and_grads(|t| reference(t, causal), &inputs64)?;
+        for half in [Precision::Fp16, Precision::Bf16] {
+            let config = AmpConfig { opt_level: OptLevel::O1, half };
+            let (y, grads) = amp::dispatch::with_override(amp::dispatch::Override::Candle, || {
+                common::value_and_grads(|t| ours(t, config, causal)?.forward(&t[0]), &inputs)
+            })
+            .map_err(candle_core::Error::wrap)??;
+            let tol = common::tolerance(half.dtype(), 16, 2.0);
+            let what = format!("attention on candle's kernel, {half} causal={causal}");
+            common::assert_close(&format!("{what} forward"), &y, &y_ref, tol)?;
+            for ((name, grad), expected) in names.iter().zip(&grads).zip(&grads_ref) {
+                if *name != "bk" {
+                    common::assert_close(&format!("{what} grad {name}"), grad, expected, tol)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn causal_attention_ignores_the_future_exactly() -> Result<()> {
     let mut inputs = vec![common::randn_in(2, &[1, 6, EMBED], 1.0, DType::F32)?];

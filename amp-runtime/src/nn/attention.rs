@@ -10,11 +10,13 @@
 //! `q k^T` and `probs v`, run in **`q_proj`'s compute precision** (f32 accumulation). Between products
 //! the activations stay f32: each product rounds its operands to the compute precision as it reads
 //! them ([`crate::ops::matmul_to`]; on the CPU while packing, so no cast pass and no half-precision
-//! elementwise op runs, and candle's half elementwise ops and gradient sums are slow on CPU). `q` is
-//! scaled by `1/sqrt(d)` before the product (exact when `d` is a power of 4, as 16, 64 and 256 are),
-//! so the scores are `sqrt(d)` times further from fp16's overflow. The mask and softmax are f32
-//! ([`crate::ops::softmax`], differentiable); the probabilities are rounded once to the compute
-//! precision for `probs v`.
+//! elementwise op runs, and candle's half elementwise ops and gradient sums are slow on CPU). On amp's
+//! GEMM the scores leave `q k^T` as f32 sums, and the scale `1/sqrt(d)`, the mask and the softmax are
+//! one f32 op each way (`ops::fused_softmax`); where the product runs on candle's kernel (CUDA, or
+//! forced), whose output is rounded to the compute precision, `q` is scaled before the product
+//! instead (exact when `d` is a power of 4, as 16, 64 and 256 are), so the scores are `sqrt(d)` times
+//! further from fp16's overflow, and the mask and softmax are f32 candle ops. The probabilities are
+//! rounded once to the compute precision for `probs v`.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -96,11 +98,18 @@ impl MultiHeadAttention {
         let heads = |x: Tensor, len: usize| -> Result<Tensor> {
             x.reshape((batch, len, self.num_heads, head_dim))?.transpose(1, 2)?.contiguous()
         };
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        // On amp's GEMM the scores leave the product as f32 sums, and the scale joins the mask in the
+        // softmax's one op; a product on candle's kernel is rounded to the compute precision first,
+        // so there `q` is scaled before it, `sqrt(d)` times further from fp16's overflow.
+        let scale_in_softmax = crate::dispatch::runs_on_amp_gemm(query.device(), compute);
         let q = heads(project(&self.q_proj, query)?, t_q)?;
+        let q = if scale_in_softmax { q } else { (q * scale)? };
         let k = heads(project(&self.k_proj, context)?, t_k)?;
         let v = heads(project(&self.v_proj, context)?, t_k)?;
         let scores = ops::matmul_to(&q, &k.t()?, compute, DType::F32)?;
-        let probs = ops::fused_softmax::attention_probs(&scores, 1.0 / (head_dim as f64).sqrt(), causal)?;
+        let softmax_scale = if scale_in_softmax { scale } else { 1.0 };
+        let probs = ops::fused_softmax::attention_probs(&scores, softmax_scale, causal)?;
         let mixed = ops::matmul_to(&probs, &v, compute, DType::F32)?;
         let mixed = mixed.transpose(1, 2)?.reshape((batch, t_q, embed))?;
         let y = project(&self.out_proj, &mixed)?;
