@@ -11,6 +11,7 @@
 
 mod common;
 
+use amp::dispatch::Override;
 use amp::nn::{layer_norm, linear, multi_head_attention, LayerNorm, Linear, MultiHeadAttention};
 use amp::{AmpConfig, AmpModule, AmpModuleExt, OptLevel, Param, ParamStorage, Precision};
 use candle_core::{DType, Device, Module, Result, Tensor, D};
@@ -63,28 +64,39 @@ fn ours(t: &[Tensor], config: AmpConfig, causal: bool) -> Result<MultiHeadAttent
     Ok(attn)
 }
 
+/// On amp's GEMM (the scale, mask and softmax one fused op) and on candle's kernel (CUDA, or forced as
+/// here: its output is rounded to the compute precision, so `q` is scaled before `q k^T` and the mask and
+/// softmax are candle ops), against the same f64 reference and tolerance.
 #[test]
 fn attention_matches_f64_in_fp16_and_bf16_forward_and_backward() -> Result<()> {
     let mut inputs = vec![common::randn_in(1, &[2, 7, EMBED], 1.0, DType::F32)?];
     inputs.extend(weights()?);
     let inputs64 = inputs.iter().map(|t| t.to_dtype(DType::F64)).collect::<Result<Vec<_>>>()?;
     let names = ["x", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo"];
-    for causal in [false, true] {
+    for (causal, over) in [false, true].into_iter().flat_map(|c| [(c, Override::Auto), (c, Override::Candle)])
+    {
         let (y_ref, grads_ref) = common::value_and_grads(|t| reference(t, causal), &inputs64)?;
         for half in [Precision::Fp16, Precision::Bf16] {
             let config = AmpConfig { opt_level: OptLevel::O1, half };
-            let (y, grads) = common::value_and_grads(|t| ours(t, config, causal)?.forward(&t[0]), &inputs)?;
+            let (y, grads) = amp::dispatch::with_override(over, || {
+                common::value_and_grads(|t| ours(t, config, causal)?.forward(&t[0]), &inputs)
+            })
+            .map_err(candle_core::Error::wrap)??;
             assert_eq!(y.dtype(), DType::F32, "O1 returns f32 activations");
             let tol = common::tolerance(half.dtype(), 16, 2.0);
-            let err =
-                common::assert_close(&format!("attention {half} causal={causal} forward"), &y, &y_ref, tol)?;
+            let err = common::assert_close(
+                &format!("attention {half} causal={causal} {over:?} forward"),
+                &y,
+                &y_ref,
+                tol,
+            )?;
             assert!(err > common::unit_roundoff(half.dtype()) / 8.0, "{half}: no sign of half rounding");
             for ((name, grad), expected) in names.iter().zip(&grads).zip(&grads_ref) {
                 if *name == "bk" {
                     continue; // below: its exact value is 0
                 }
                 common::assert_close(
-                    &format!("attention {half} causal={causal} grad {name}"),
+                    &format!("attention {half} causal={causal} {over:?} grad {name}"),
                     grad,
                     expected,
                     tol,
@@ -96,40 +108,10 @@ fn attention_matches_f64_in_fp16_and_bf16_forward_and_backward() -> Result<()> {
             let noise = grads[4].sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()? as f64;
             let scale = grads_ref[2].sqr()?.sum_all()?.sqrt()?.to_scalar::<f64>()?;
             eprintln!(
-                "attention {half} causal={causal} grad bk: |g| / |g_bq| = {:.3e} (tolerance {tol:.3e})",
+                "attention {half} causal={causal} {over:?} grad bk: |g| / |g_bq| = {:.3e} (tolerance {tol:.3e})",
                 noise / scale
             );
             assert!(noise <= tol * scale, "grad bk is not noise: {noise:.3e} vs {scale:.3e}");
-        }
-    }
-    Ok(())
-}
-
-/// Where the products run on candle's kernel (CUDA, or forced as here), whose output is rounded to the
-/// compute precision, `q` is scaled before `q k^T` and the mask and softmax are candle ops: held to the
-/// same f64 reference and tolerance, forward and backward.
-#[test]
-fn attention_on_candles_kernel_matches_f64_too() -> Result<()> {
-    let mut inputs = vec![common::randn_in(3, &[2, 7, EMBED], 1.0, DType::F32)?];
-    inputs.extend(weights()?);
-    let inputs64 = inputs.iter().map(|t| t.to_dtype(DType::F64)).collect::<Result<Vec<_>>>()?;
-    let names = ["x", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo"];
-    for causal in [false, true] {
-        let (y_ref, grads_ref) = common::value_and_grads(|t| reference(t, causal), &inputs64)?;
-        for half in [Precision::Fp16, Precision::Bf16] {
-            let config = AmpConfig { opt_level: OptLevel::O1, half };
-            let (y, grads) = amp::dispatch::with_override(amp::dispatch::Override::Candle, || {
-                common::value_and_grads(|t| ours(t, config, causal)?.forward(&t[0]), &inputs)
-            })
-            .map_err(candle_core::Error::wrap)??;
-            let tol = common::tolerance(half.dtype(), 16, 2.0);
-            let what = format!("attention on candle's kernel, {half} causal={causal}");
-            common::assert_close(&format!("{what} forward"), &y, &y_ref, tol)?;
-            for ((name, grad), expected) in names.iter().zip(&grads).zip(&grads_ref) {
-                if *name != "bk" {
-                    common::assert_close(&format!("{what} grad {name}"), grad, expected, tol)?;
-                }
-            }
         }
     }
     Ok(())
