@@ -4,23 +4,22 @@
 //! `gelu(x) = 0.5 x (1 + tanh(u))`, `u = sqrt(2/pi) (x + 0.044715 x^3)`, and
 //! `gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)` with `t = tanh(u)`.
 //!
-//! Elements are split into fixed chunks on the current rayon pool; inside a chunk, blocks are widened
+//! Floats are split into fixed chunks on the current rayon pool; inside a chunk, blocks are widened
 //! to f32, computed by loops compiled for the widest vector extension the CPU has (`tanh` from
 //! [`crate::exp::exp_nonpositive`], no library call), and narrowed. Each element's result is the same
 //! on every path and thread count.
 
-use half::slice::HalfFloatSliceExt;
-use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::exp::exp_nonpositive;
+use crate::slices::Float;
 use crate::{GradSlice, GradSliceMut};
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const CUBIC: f32 = 0.044_715;
-/// Elements per parallel chunk: large enough that a chunk's work outweighs scheduling it.
+/// Floats per parallel chunk: large enough that a chunk's work outweighs scheduling it.
 const CHUNK: usize = 8192;
-/// Elements widened, computed and narrowed at a time (stack buffers).
+/// Floats widened, computed and narrowed at a time (stack buffers).
 const BLOCK: usize = 256;
 
 /// `gelu(x)` and `gelu'(x)` in f32 (within a few ulps of `max(1, |x|)` of the exact function).
@@ -75,7 +74,7 @@ pub fn backward(x: GradSlice<'_>, dy: GradSlice<'_>, dx: GradSliceMut<'_>) {
     }
 }
 
-fn backward_from<G: Element>(x: GradSlice<'_>, dy: &[G], dx: GradSliceMut<'_>) {
+fn backward_from<G: Float>(x: GradSlice<'_>, dy: &[G], dx: GradSliceMut<'_>) {
     match (x, dx) {
         (GradSlice::F32(x), GradSliceMut::F32(dx)) => map_with(x, dy, dx),
         (GradSlice::F16(x), GradSliceMut::F16(dx)) => map_with(x, dy, dx),
@@ -84,40 +83,7 @@ fn backward_from<G: Element>(x: GradSlice<'_>, dy: &[G], dx: GradSliceMut<'_>) {
     }
 }
 
-/// A stored element: widened to f32 and narrowed back a block at a time.
-trait Element: Copy + Send + Sync {
-    fn widen(src: &[Self], dst: &mut [f32]);
-    fn narrow(src: &[f32], dst: &mut [Self]);
-}
-
-impl Element for f32 {
-    fn widen(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
-    }
-    fn narrow(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
-    }
-}
-
-impl Element for f16 {
-    fn widen(src: &[f16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [f16]) {
-        dst.convert_from_f32_slice(src);
-    }
-}
-
-impl Element for bf16 {
-    fn widen(src: &[bf16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [bf16]) {
-        dst.convert_from_f32_slice(src);
-    }
-}
-
-fn map<T: Element>(x: &[T], y: &mut [T]) {
+fn map<T: Float>(x: &[T], y: &mut [T]) {
     y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
         let (mut wide, mut out) = ([0f32; BLOCK], [0f32; BLOCK]);
         for (y, x) in y.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
@@ -129,7 +95,7 @@ fn map<T: Element>(x: &[T], y: &mut [T]) {
     });
 }
 
-fn map_with<T: Element, G: Element>(x: &[T], dy: &[G], dx: &mut [T]) {
+fn map_with<T: Float, G: Float>(x: &[T], dy: &[G], dx: &mut [T]) {
     dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK))).for_each(|(dx, (x, dy))| {
         let (mut wide, mut grad, mut out) = ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
         for (dx, (x, dy)) in dx.chunks_mut(BLOCK).zip(x.chunks(BLOCK).zip(dy.chunks(BLOCK))) {
@@ -169,6 +135,8 @@ fn gradients_any(x: &[f32], dy: &[f32], out: &mut [f32]) {
 
 #[cfg(test)]
 mod tests {
+    use half::{bf16, f16};
+
     use super::*;
 
     #[test]

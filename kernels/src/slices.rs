@@ -4,6 +4,7 @@
 //! f16 or bf16. These enums let one multi-tensor call take a list mixing dtypes without generics leaking
 //! into the API. Everything is plain borrowed memory: no candle types.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// Element type of a [`GradSlice`] / [`GradSliceMut`] / [`HalfSliceMut`].
@@ -295,5 +296,39 @@ impl<'a> crate::par::Tensors for &[GradSlice<'a>] {
     }
     fn into_single(self) -> (GradSlice<'a>, ()) {
         (self[0], ())
+    }
+}
+
+/// A stored float element, widened to f32 and narrowed back a block at a time (`half`'s slice
+/// conversions: exact widening, round-to-nearest-even narrowing, F16C where the CPU has it).
+pub(crate) trait Float: Copy + Default + Send + Sync {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Float for f32 {
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn narrow(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Float for f16 {
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+impl Float for bf16 {
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [bf16]) {
+        dst.convert_from_f32_slice(src);
     }
 }

@@ -13,7 +13,6 @@
 
 use std::cell::Cell;
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -22,6 +21,7 @@ use super::micro::{self, Micro, MAX_TILE};
 use super::pack::{self, Lines, PackInto};
 use super::prefetch;
 use super::{Compute, GemmPath, Start};
+use crate::slices::Float;
 use crate::{GradSlice, GradSliceMut};
 
 /// Products below this many flops run on the calling thread only.
@@ -278,7 +278,7 @@ impl Job<'_> {
     }
 
     /// A half-precision block: summed in f32 scratch, rounded into C once.
-    fn through_scratch<M: Micro, H: HalfOut>(
+    fn through_scratch<M: Micro, H: Float>(
         &self,
         micro: M,
         blk: Block,
@@ -445,30 +445,6 @@ unsafe fn edge_tile<M: Micro>(
         for r in 0..rows {
             std::ptr::copy_nonoverlapping(tmp.as_ptr().add(r * M::B.nr), c.add(r * ldc), cols);
         }
-    }
-}
-
-/// A half-precision output element type.
-trait HalfOut: Copy + Default {
-    fn widen(src: &[Self], dst: &mut [f32]);
-    fn narrow(src: &[f32], dst: &mut [Self]);
-}
-
-impl HalfOut for f16 {
-    fn widen(src: &[f16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [f16]) {
-        dst.convert_from_f32_slice(src);
-    }
-}
-
-impl HalfOut for bf16 {
-    fn widen(src: &[bf16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [bf16]) {
-        dst.convert_from_f32_slice(src);
     }
 }
 
