@@ -9,6 +9,7 @@ pub mod cuda;
 pub mod dispatch;
 pub mod distributed;
 pub mod error;
+mod gradient_sink;
 mod initialize;
 mod layer;
 mod master;

@@ -4,14 +4,15 @@
 //! The op reads its operands in place through their strides (a transposed weight, a broadcast batch),
 //! rounds them to the compute precision while packing, sums in f32 and writes the requested output
 //! dtype once. Its backward runs the same GEMM: `dA = dC·B^T` and `dB = A^T·dC`, each written in its
-//! operand's dtype, with `dC` rounded to the compute precision as the forward's operands were.
+//! operand's dtype, with `dC` rounded to the compute precision as the forward's operands were; the
+//! gradients of variables go to [`crate::gradient_sink`] when amp runs the backward pass.
 
 use amp_kernels::gemm::{gemm_new, Compute, Dims, GemmPath, MatRef, NewOutput, OutputType};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use crate::dispatch::{self, compute_of, MatmulKernel};
-use crate::Precision;
+use crate::{gradient_sink, Precision};
 
 /// `a @ b` (shapes `(.., m, k)` and `(.., k, n)`, batch dimensions broadcast) with the operands rounded
 /// to `compute`, products summed in f32, result `(.., m, n)` in `out`.
@@ -280,7 +281,7 @@ impl CustomOp2 for GemmOp {
         let b_read = self.b_values.as_ref().unwrap_or(b);
         let da = grad.apply_op2(&b_read.t()?, self.backward(a.dtype()))?;
         let db = a.t()?.apply_op2(grad, self.backward(b.dtype()))?;
-        Ok((Some(da), Some(db)))
+        Ok((gradient_sink::deposit(a, da)?, gradient_sink::deposit(b, db)?))
     }
 }
 
@@ -324,13 +325,14 @@ impl CustomOp3 for LinearOp {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _bias: &Tensor,
+        bias: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dx = grad.apply_op2(self.values.as_ref().unwrap_or(w), self.gemm.backward(x.dtype()))?;
         let dw = grad.t()?.apply_op2(x, self.gemm.backward(w.dtype()))?;
         let db = super::column_sums::column_sums(grad)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let deposit = gradient_sink::deposit;
+        Ok((deposit(x, dx)?, deposit(w, dw)?, deposit(bias, db)?))
     }
 }

@@ -151,7 +151,7 @@ impl GradScaler {
         if !loss_finite && !stages.collective() {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
-        let mut grads = self.scale_loss(loss)?.backward()?;
+        let mut grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
         let inv_scale = 1.0 / self.scale();
         let params = optimizer.param_groups().params();
         params::fold_split_gradients(params, &mut grads)?;

@@ -154,7 +154,7 @@ impl GradScaler {
         }
         let loss = crate::cuda::loss_f32(loss)?;
         let scaled = self.enabled;
-        let mut grads = self.queued()?.scaled_loss(&loss, scaled)?.backward()?;
+        let mut grads = crate::gradient_sink::backward(&self.queued()?.scaled_loss(&loss, scaled)?)?;
         let params = optimizer.param_groups().params();
         crate::optim::fold_split_gradients(params, &mut grads)?;
         self.check_gradients_once(params.iter().map(crate::optim::OptimParam::checked), &grads)?;

@@ -256,7 +256,7 @@ impl GradScaler {
         if !value.is_finite() {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
-        let mut grads = self.scale_loss(loss)?.backward()?;
+        let mut grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
         let params = no_grad::model_params(model);
         self.check_gradients_once(params.iter().map(no_grad::ModelParam::checked), &grads)?;
         let unscaled = self.unscale(model, &mut grads)?;
