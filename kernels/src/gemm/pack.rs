@@ -262,6 +262,29 @@ fn pair<S: Source>(even: S, odd: S) -> u32 {
     u32::from(even.bf16_bits()) | u32::from(odd.bf16_bits()) << 16
 }
 
+/// The bf16 bits of a run of consecutive `k` as pairs (`k = 2s` in the low half of word `s`, as [`pair`]
+/// makes them), into `out` (`run.len() <= 2 * out.len()`); halves past the run (an odd last `k`'s
+/// partner) are zero. The words are written as 16-bit halves in the run's order, one loop that
+/// vectorises (a plain copy for a bf16 run); on a little-endian target that order is already the
+/// pairs', a big-endian one swaps each word's halves after.
+#[inline(always)]
+fn pairs_from_run<S: Source>(run: &[S], out: &mut [u32]) {
+    debug_assert!(run.len() <= 2 * out.len());
+    // SAFETY: the halves cover exactly `out`'s memory; u16 needs less alignment than u32, and every bit
+    // pattern is valid for both.
+    let halves = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u16>(), 2 * out.len()) };
+    let (data, rest) = halves.split_at_mut(run.len());
+    for (half, &x) in data.iter_mut().zip(run) {
+        *half = x.bf16_bits();
+    }
+    rest.fill(0);
+    if cfg!(target_endian = "big") {
+        for word in out.iter_mut() {
+            *word = word.rotate_left(16);
+        }
+    }
+}
+
 impl PackInto for u32 {
     const K_PER_STEP: usize = 2;
 
@@ -280,13 +303,7 @@ impl PackInto for u32 {
                 let ks = (2 * steps).min(lines.k - k0);
                 for (l, row) in tile[..lines.count].iter_mut().enumerate() {
                     let run = &src[lines.base + l * lines.line_stride + k0..][..ks];
-                    let mut bits = [0u16; 2 * CHUNK];
-                    for (out, &x) in bits.iter_mut().zip(run) {
-                        *out = x.bf16_bits();
-                    }
-                    for (out, two) in row.iter_mut().zip(bits.chunks_exact(2)) {
-                        *out = u32::from(two[0]) | u32::from(two[1]) << 16;
-                    }
+                    pairs_from_run(run, &mut row[..steps]);
                 }
                 transpose(&tile[..lines.count], steps, width, block);
             }
@@ -337,17 +354,7 @@ impl PackInto for u32 {
 
     #[inline(always)]
     fn from_run<S: Source>(run: &[S], _compute: Compute, out: &mut [u32]) {
-        // A chunk at a time: every element rounded to bf16 bits in a contiguous buffer (a loop that
-        // vectorises; an odd last `k` finds its partner zero), then the bits paired.
-        for (run, out) in run.chunks(2 * CHUNK).zip(out.chunks_mut(CHUNK)) {
-            let mut bits = [0u16; 2 * CHUNK];
-            for (b, &x) in bits.iter_mut().zip(run) {
-                *b = x.bf16_bits();
-            }
-            for (o, two) in out.iter_mut().zip(bits.chunks_exact(2)) {
-                *o = u32::from(two[0]) | u32::from(two[1]) << 16;
-            }
-        }
+        pairs_from_run(run, out);
     }
 
     #[inline(always)]
