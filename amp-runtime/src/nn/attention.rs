@@ -16,7 +16,8 @@
 //! forced), whose output is rounded to the compute precision, `q` is scaled before the product
 //! instead (exact when `d` is a power of 4, as 16, 64 and 256 are), so the scores are `sqrt(d)` times
 //! further from fp16's overflow, and the mask and softmax are f32 candle ops. The probabilities are
-//! rounded once to the compute precision for `probs v`.
+//! rounded once to the compute precision for `probs v`. On the CPU the split into heads and the merge
+//! back are one permuted copy each way (`ops::heads`), not candle's reshape, transpose and copy.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -92,26 +93,23 @@ impl MultiHeadAttention {
     /// output precision of `out_proj`, or `query`'s dtype.
     pub fn attend(&self, query: &Tensor, context: &Tensor, causal: bool) -> Result<Tensor> {
         let compute = self.compute_precision();
-        let (batch, t_q, embed) = query.dims3()?;
-        let t_k = context.dim(1)?;
+        let (_, _, embed) = query.dims3()?;
         let head_dim = embed / self.num_heads;
-        let heads = |x: Tensor, len: usize| -> Result<Tensor> {
-            x.reshape((batch, len, self.num_heads, head_dim))?.transpose(1, 2)?.contiguous()
-        };
+        let heads = |x: Tensor| ops::heads::split_heads(&x, self.num_heads);
         let scale = 1.0 / (head_dim as f64).sqrt();
         // On amp's GEMM the scores leave the product as f32 sums, and the scale joins the mask in the
         // softmax's one op; a product on candle's kernel is rounded to the compute precision first,
         // so there `q` is scaled before it, `sqrt(d)` times further from fp16's overflow.
         let scale_in_softmax = crate::dispatch::runs_on_amp_gemm(query.device(), compute);
-        let q = heads(project(&self.q_proj, query)?, t_q)?;
+        let q = heads(project(&self.q_proj, query)?)?;
         let q = if scale_in_softmax { q } else { (q * scale)? };
-        let k = heads(project(&self.k_proj, context)?, t_k)?;
-        let v = heads(project(&self.v_proj, context)?, t_k)?;
+        let k = heads(project(&self.k_proj, context)?)?;
+        let v = heads(project(&self.v_proj, context)?)?;
         let scores = ops::matmul_to(&q, &k.t()?, compute, DType::F32)?;
         let softmax_scale = if scale_in_softmax { scale } else { 1.0 };
         let probs = ops::fused_softmax::attention_probs(&scores, softmax_scale, causal)?;
         let mixed = ops::matmul_to(&probs, &v, compute, DType::F32)?;
-        let mixed = mixed.transpose(1, 2)?.reshape((batch, t_q, embed))?;
+        let mixed = ops::heads::merge_heads(&mixed)?;
         let y = project(&self.out_proj, &mixed)?;
         super::cast_output(y, self.out_proj.precision(), query.dtype())
     }

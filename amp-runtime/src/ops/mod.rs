@@ -32,6 +32,7 @@ mod fp32;
 pub(crate) mod fused_softmax;
 mod gelu;
 mod gemm;
+pub(crate) mod heads;
 mod layer_norm;
 pub mod loss;
 mod promote;
