@@ -4,8 +4,9 @@
 //!    calling thread (they grow to the largest product seen and are reused), each starting on a cache
 //!    line so that no vector or tile row load of a panel straddles two lines.
 //! 2. C is cut into blocks of `MC x NC`; blocks run in parallel. Inside a block, for each k-block of
-//!    `KC` steps, each B micro-panel (`KC x NR`, L1-sized) is swept by every A micro-panel of the block,
-//!    while the next B micro-panel is prefetched into L2 (register kernels; [`super::prefetch`]).
+//!    `KC` steps, each B micro-panel (`KC x NR`, L1-sized; AMX's L2-sized) is swept by every A
+//!    micro-panel of the block, while the next B micro-panel is prefetched into L2 (register kernels;
+//!    [`super::prefetch`]).
 //! 3. f32 output is accumulated in place; f16 / bf16 output is accumulated in an f32 scratch block
 //!    (per worker thread) and rounded once at the end, so a half C never holds a partial sum. A block
 //!    starts from zero, from C, or from a bias row ([`Start`]), written into it before the products.
@@ -404,9 +405,9 @@ impl Job<'_> {
 /// `len` elements of `words` (4-byte packed words, or f32 scratch) that start on a cache line,
 /// `words` grown as needed (keeping its memory for the next product).
 ///
-/// Every panel and k-block then starts on a line too (their sizes are multiples of 16 words, except
-/// f32 A panels, which are read by broadcasts), so no vector or tile row load of a packed operand
-/// straddles two lines. The allocator aligns to 16 bytes only; measured on the AMX kernel at 1024^3
+/// Every panel and k-block then starts on a line too (their sizes are multiples of 16 words, except the
+/// register kernels' 6-line A panels, which are read by broadcasts), so no vector or tile row load of a
+/// packed operand straddles two lines. The allocator aligns to 16 bytes only; measured on the AMX kernel at 1024^3
 /// on one thread, the straddling loads cost a third of its speed (575 against 910 GFLOP/s).
 fn cache_aligned<T: Copy + Default>(words: &mut Vec<T>, len: usize) -> &mut [T] {
     let line = 64 / std::mem::size_of::<T>();
