@@ -10,7 +10,7 @@
 //! summed within each block in row order, then across blocks in block order, so every result is
 //! deterministic and independent of the thread count.
 
-use half::{bf16, f16};
+use half::bf16;
 use rayon::prelude::*;
 
 use crate::GradSlice;
@@ -112,7 +112,9 @@ fn widen_row(x: GradSlice<'_>, at: usize, out: &mut [f32]) {
     let d = out.len();
     match x {
         GradSlice::F32(s) => out.copy_from_slice(&s[at..at + d]),
-        GradSlice::F16(s) => out.iter_mut().zip(&s[at..at + d]).for_each(|(o, v)| *o = f16::to_f32(*v)),
+        GradSlice::F16(s) => {
+            out.iter_mut().zip(&s[at..at + d]).for_each(|(o, v)| *o = crate::branchless::f16_to_f32(*v))
+        }
         GradSlice::Bf16(s) => out.iter_mut().zip(&s[at..at + d]).for_each(|(o, v)| *o = bf16::to_f32(*v)),
     }
 }

@@ -53,6 +53,7 @@ pub mod vectorise;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod backend;
+mod branchless;
 pub mod clip;
 pub mod convert;
 pub mod cuda;

@@ -46,7 +46,7 @@ impl Widen for f32 {
 impl Widen for f16 {
     #[inline(always)]
     fn widen(self) -> f32 {
-        self.to_f32()
+        crate::branchless::f16_to_f32(self)
     }
 }
 
