@@ -5,7 +5,8 @@
 //! it, every step. When amp runs the backward pass itself ([`backward`]: the scaler's and the fused
 //! optimizer's steps), amp's product ops ([`deposit`]) hand the gradients of variables to a sink on
 //! this thread instead, and the pass merges them into the `GradStore` at the end: the same gradients
-//! (up to the sign of an exact zero, `0 + -0 = +0`), without the two extra passes over each weight. A
+//! (up to the sign of an exact zero, `0 + -0 = +0`, and, for a variable that candle's own ops also
+//! differentiate, the order its parts are summed in), without the two extra passes over each weight. A
 //! backward pass the user runs (`loss.backward()`) is untouched: outside [`backward`] the sink is off.
 
 use std::cell::RefCell;
