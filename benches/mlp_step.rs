@@ -3,8 +3,12 @@
 //! measured side by side in one run.
 //!
 //! The fp32 baseline is the faster of candle's matmul and amp's f32 GEMM (both are timed); the mixed
-//! runs use amp's dispatch (AMX or `vdpbf16ps` for bf16 where the CPU has them). Every run steps in
-//! turn (A, B, C, ... per round) on a 2-thread rayon pool; medians.
+//! runs use amp's dispatch (AMX or `vdpbf16ps` for bf16 where the CPU has them). The hidden layers'
+//! ReLU is fused into the layer's op (`Linear::forward_relu`) in every run. Every run steps in turn (A,
+//! B, C, ... per round) on a 2-thread rayon pool, two steps a turn of which the second is timed: a step
+//! that follows a step of the same model, as in training, rather than one that starts with caches
+//! full of another model's buffers (measured: the first step after another run's is 10-25% slower, and
+//! bf16's the most). Medians.
 //!
 //! Run: `cargo bench --bench mlp_step` (about a minute).
 
@@ -33,14 +37,13 @@ struct Mlp {
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        // ReLU after every layer but the last, fused into the layer's op (`Linear::forward_relu`).
+        let (last, hidden) = self.layers.split_last().expect("layers");
         let mut h = x.clone();
-        for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h)?;
-            if i + 1 < self.layers.len() {
-                h = h.relu()?;
-            }
+        for layer in hidden {
+            h = layer.forward_relu(&h)?;
         }
-        Ok(h)
+        last.forward(&h)
     }
 }
 
@@ -112,6 +115,7 @@ fn bench() -> amp::Result<()> {
     }
     for _ in 0..ROUNDS {
         for r in &mut runs {
+            r.step(&x, &y)?; // settles the caches on this run's model
             let t = r.step(&x, &y)?;
             r.times.push(t);
         }

@@ -68,7 +68,7 @@
 // (`Cursor`, `Visitor`, `NoFp16Under`, the request types) are in `amp::module`.
 pub use amp_macros::AmpModule;
 pub use amp_runtime::{
-    checkpoint, cuda, dispatch, distributed, error, memory, module, nn, ops, optim, scaler, varmap,
+    checkpoint, cuda, dispatch, distributed, error, memory, module, nn, ops, optim, scaler, threads, varmap,
 };
 pub use amp_runtime::{
     grads_to_masters, initialize, layer_module, refresh_working_copies, set_gradient_route,

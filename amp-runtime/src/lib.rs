@@ -24,6 +24,7 @@ mod policy;
 mod precision;
 pub mod scaler;
 mod storage;
+pub mod threads;
 pub mod varmap;
 
 pub use cast_cache::CastCache;

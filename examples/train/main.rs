@@ -398,21 +398,17 @@ fn train_runs(
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // candle runs its elementwise ops on a pool of its own whose threads spin while they wait, beside
-    // rayon's pool where amp's GEMM and optimizer run: on 2 cores the spinning takes a fifth to a third
-    // of a step (perf). One candle thread (the caller) removes it: measured 14-25% shorter steps for
-    // fp32, bf16 and fp16 alike (`CANDLE_NUM_THREADS=1 cargo bench --bench mlp_step`, README). Set
-    // before candle's first op; an explicit CANDLE_NUM_THREADS wins.
-    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-        std::env::set_var("CANDLE_NUM_THREADS", "1");
-    }
+    // candle's elementwise ops on the calling thread: its own pool's idle workers spin on the cores
+    // amp's GEMM needs (see `amp::threads`; 14-25% shorter steps for fp32, bf16 and fp16 alike). First
+    // thing, before candle's first op; an explicit CANDLE_NUM_THREADS wins.
+    let candle_threads = amp::threads::single_candle_thread();
     // Freed buffers stay in the process for the next step's ops (see `amp::memory`).
     amp::memory::retain_freed_memory();
     let mut args = <Args as clap::Parser>::parse();
     args.runs =
         args.runs.iter().enumerate().filter(|(i, p)| !args.runs[..*i].contains(p)).map(|(_, p)| *p).collect();
     if !args.data_parallel {
-        return train(&args, None);
+        return train(&args, None, &candle_threads);
     }
     if !cfg!(feature = "mpi") {
         <Args as clap::CommandFactory>::command()
@@ -425,12 +421,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             )
             .exit();
     }
-    distributed::launch(args.wire, args.size.batch, |group| train(&args, Some(group)))
+    distributed::launch(args.wire, args.size.batch, |group| train(&args, Some(group), &candle_threads))
 }
 
 /// The main job: on one process (`group` None), or as one rank of a data-parallel group, where only
 /// rank 0 prints and writes.
-fn train(args: &Args, group: Option<Group<'_>>) -> Result<(), Box<dyn std::error::Error>> {
+fn train(
+    args: &Args,
+    group: Option<Group<'_>>,
+    candle_threads: &amp::threads::CandleThreads,
+) -> Result<(), Box<dyn std::error::Error>> {
     let root = group.is_none_or(|g| g.rank() == 0);
     let device = Device::Cpu;
     let started = Instant::now();
@@ -440,7 +440,7 @@ fn train(args: &Args, group: Option<Group<'_>>) -> Result<(), Box<dyn std::error
     let (_, best_accuracy) = source.best_guess();
     let (size, steps) = (args.size, args.steps.unwrap_or(args.size.steps));
     if root {
-        header(args, &source, steps, group)?;
+        header(args, &source, steps, group, candle_threads)?;
     }
 
     let mut seeds = Vec::new();
@@ -514,7 +514,13 @@ fn bf16_kernel(size: Size, device: &Device) -> String {
 
 /// What is trained and how: the task, the precision plan of the first mixed run, the model and the
 /// schedule, which GEMM runs, and the data-parallel group.
-fn header(args: &Args, source: &Markov, steps: usize, group: Option<Group<'_>>) -> amp::Result<()> {
+fn header(
+    args: &Args,
+    source: &Markov,
+    steps: usize,
+    group: Option<Group<'_>>,
+    candle_threads: &amp::threads::CandleThreads,
+) -> amp::Result<()> {
     let device = Device::Cpu;
     let (_, best_accuracy) = source.best_guess();
     println!(
@@ -547,6 +553,7 @@ fn header(args: &Args, source: &Markov, steps: usize, group: Option<Group<'_>>) 
     println!("matrix products: fp32 on {}; bf16 and fp16 on {}", f32_path.kernel, bf16_kernel(size, &device));
     let allocator = if cfg!(feature = "mimalloc") { "mimalloc" } else { "the system's" };
     println!("allocator: {allocator}, freed memory kept for reuse (amp::memory::retain_freed_memory)");
+    println!("threads: {candle_threads}");
     if let Some(group) = group {
         let world = group.world();
         println!(

@@ -68,6 +68,7 @@ mod par;
 mod portable;
 pub mod reduce;
 pub mod reference;
+pub mod relu;
 pub mod scale;
 #[cfg(target_arch = "x86_64")]
 mod simd;

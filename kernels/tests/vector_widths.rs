@@ -1,4 +1,4 @@
-//! Every version of the crate's `widest_vectors!` loops (packing, column sums, softmax, GELU) computes
+//! Every version of the crate's `widest_vectors!` loops (packing, column sums, softmax, GELU, ReLU) computes
 //! the same bits: each kernel runs with the loops capped at the baseline, at AVX2 and uncapped, and the
 //! results are compared bit for bit. On a CPU without AVX2 or AVX-512 the capped runs pick the same
 //! version as the uncapped one, and the test says so.
@@ -7,7 +7,7 @@
 
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use amp_kernels::softmax::{self, Mask};
-use amp_kernels::{gelu, reduce, vectorise, GradSlice, GradSliceMut, Isa};
+use amp_kernels::{gelu, reduce, relu, vectorise, GradSlice, GradSliceMut, Isa};
 use half::{bf16, f16};
 
 fn values(n: usize, seed: usize) -> Vec<f32> {
@@ -66,6 +66,15 @@ fn outputs() -> Vec<Vec<u32>> {
     gelu::backward(GradSlice::Bf16(&xb), GradSlice::F16(&dyh), GradSliceMut::Bf16(&mut dgb));
     out.push(g.iter().chain(&dg).map(|v| v.to_bits()).collect());
     out.push(gb.iter().chain(&dgb).map(|v| u32::from(v.to_bits())).collect());
+    // ReLU in place and its masked gradient, f32 and bf16 with an f16 gradient.
+    let (mut r, mut dr) = (x.clone(), vec![0f32; x.len()]);
+    relu::forward_in_place(GradSliceMut::F32(&mut r));
+    relu::backward(GradSlice::F32(&r), GradSlice::F32(&dy), GradSliceMut::F32(&mut dr));
+    let (mut rb, mut drh) = (xb.clone(), vec![f16::ZERO; x.len()]);
+    relu::forward_in_place(GradSliceMut::Bf16(&mut rb));
+    relu::backward(GradSlice::Bf16(&rb), GradSlice::F16(&dyh), GradSliceMut::F16(&mut drh));
+    out.push(r.iter().chain(&dr).map(|v| v.to_bits()).collect());
+    out.push(rb.iter().map(|v| v.to_bits()).chain(drh.iter().map(|v| v.to_bits())).map(u32::from).collect());
     out
 }
 

@@ -120,7 +120,14 @@ impl MultiHeadAttention {
 fn project(proj: &Linear, x: &Tensor) -> Result<Tensor> {
     let compute = proj.precision().compute;
     let bias = proj.bias().map(|b| b.in_precision(Precision::Fp32)).transpose()?;
-    ops::linear_to(x, &proj.weight().for_product(compute, x.device())?, bias.as_ref(), compute, DType::F32)
+    ops::linear_to(
+        x,
+        &proj.weight().for_product(compute, x.device())?,
+        bias.as_ref(),
+        compute,
+        DType::F32,
+        ops::Epilogue::Identity,
+    )
 }
 
 impl Module for MultiHeadAttention {

@@ -9,6 +9,7 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
 
+use crate::ops::Epilogue;
 use crate::{LayerPrecision, Param};
 
 /// A linear layer with candle-nn's parameter names (`weight`, `bias`) and initialisation.
@@ -49,10 +50,19 @@ impl Linear {
     pub fn bias(&self) -> Option<&Param> {
         self.bias.as_ref()
     }
-}
 
-impl Module for Linear {
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+    /// `relu(x W^T + b)`: the same values as `forward` followed by [`crate::ops::relu`], with the clamp
+    /// applied to the fresh product and, in the backward pass, the gradient masked by the output inside
+    /// the op that runs the two backward products (amp's CPU GEMM with a bias). That saves the separate
+    /// ReLU's graph node: a pass over the activations each way and the zero-filled sum of its gradient.
+    /// Measured on the MLP bench (`cargo bench --bench mlp_step`, the same binary but for the fused
+    /// call): bf16 O2 step 13.7 -> 12.0 ms, fp32 30.1 -> 28.3 ms.
+    /// Elsewhere (no bias, CUDA) `forward` then [`crate::ops::relu`].
+    pub fn forward_relu(&self, xs: &Tensor) -> Result<Tensor> {
+        self.forward_with(xs, Epilogue::Relu)
+    }
+
+    fn forward_with(&self, xs: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
         let compute = self.precision.compute;
         let out = self.precision.output.map_or(xs.dtype(), |p| p.dtype());
         // On amp's CPU GEMM the weight is read as its fp32 master and rounded while packing, so its
@@ -61,7 +71,13 @@ impl Module for Linear {
         // The bias in f32: its gradient sums the upstream gradient over the batch, and that sum must not
         // accumulate in half precision. The product is summed in f32 and rounded once, to `out`.
         let bias = self.bias.as_ref().map(|b| b.in_precision(crate::Precision::Fp32)).transpose()?;
-        crate::ops::linear_to(xs, &w, bias.as_ref(), compute, out)
+        crate::ops::linear_to(xs, &w, bias.as_ref(), compute, out, epilogue)
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.forward_with(xs, Epilogue::Identity)
     }
 }
 

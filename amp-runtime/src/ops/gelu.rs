@@ -10,9 +10,9 @@
 //! read of `x` (and `dy`), one write, the arithmetic in f32 and the result rounded once to the dtype
 //! ([`amp_kernels::gelu`], vectorised for the widest extension the CPU has).
 
-use amp_kernels::{Dtype, GradSlice, GradSliceMut};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use half::{bf16, f16};
+
+use super::elementwise::{elements, new_storage};
 
 /// GELU with the tanh approximation (the function of `Tensor::gelu` and of GPT-2 / BERT), `x`'s dtype.
 ///
@@ -32,32 +32,6 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     match x.dtype() {
         DType::F32 | DType::F16 | DType::BF16 if x.device().is_cpu() => x.contiguous()?.apply_op1(Gelu),
         _ => x.gelu(),
-    }
-}
-
-/// The elements of a contiguous f32, f16 or bf16 storage.
-fn elements<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<GradSlice<'a>> {
-    crate::storage::read_slice(storage, layout).map_err(candle_core::Error::wrap)
-}
-
-/// A new storage of `len` elements of `dtype`, filled by `fill`.
-fn new_storage(dtype: Dtype, len: usize, fill: impl FnOnce(GradSliceMut<'_>)) -> CpuStorage {
-    match dtype {
-        Dtype::F32 => {
-            let mut v = vec![0f32; len];
-            fill(GradSliceMut::F32(&mut v));
-            CpuStorage::F32(v)
-        }
-        Dtype::F16 => {
-            let mut v = vec![f16::ZERO; len];
-            fill(GradSliceMut::F16(&mut v));
-            CpuStorage::F16(v)
-        }
-        Dtype::Bf16 => {
-            let mut v = vec![bf16::ZERO; len];
-            fill(GradSliceMut::Bf16(&mut v));
-            CpuStorage::BF16(v)
-        }
     }
 }
 
@@ -103,6 +77,7 @@ impl CustomOp2 for GeluBackward {
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, Var};
+    use half::{bf16, f16};
 
     use super::*;
 

@@ -72,15 +72,27 @@ pub(crate) fn product_to(a: &Tensor, b: &Operand, compute: Precision, out: DType
     }
 }
 
+/// What a Linear's op does to the product before returning it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// `x W^T + b`.
+    Identity,
+    /// `relu(x W^T + b)`, clamped in place on the product; the backward masks the gradient by the
+    /// output first ([`super::relu`]).
+    Relu,
+}
+
 /// `x W^T + b` for `x` `(rows, in)`, `weight` `(out, in)` and `bias` `(out)`: one GEMM that starts
-/// every row from the bias (added in f32, rounded once with the sum into `out`). Its backward runs two
-/// GEMMs and sums the bias gradient in f32. `None` when the dispatcher does not pick amp's GEMM.
+/// every row from the bias (added in f32, rounded once with the sum into `out`), then the epilogue. Its
+/// backward runs two GEMMs and sums the bias gradient in f32. `None` when the dispatcher does not pick
+/// amp's GEMM.
 pub(crate) fn linear_bias(
     x: &Tensor,
     weight: &Operand,
     bias: &Tensor,
     compute: Precision,
     out: DType,
+    epilogue: Epilogue,
 ) -> Result<Option<Tensor>> {
     let (rows, inputs) = x.dims2()?;
     let w = &weight.differentiated;
@@ -91,7 +103,7 @@ pub(crate) fn linear_bias(
             let bias = bias.to_dtype(DType::F32)?.contiguous()?;
             let gemm = GemmOp { path, compute: compute_of(compute), out, b_values: None };
             let values = weight.values.clone().filter(|v| v.dims() == w.dims());
-            Ok(Some(x.apply_op3(w, &bias, LinearOp { gemm, values })?))
+            Ok(Some(x.apply_op3(w, &bias, LinearOp { gemm, values, epilogue })?))
         }
         _ => Ok(None),
     }
@@ -285,12 +297,14 @@ impl CustomOp2 for GemmOp {
     }
 }
 
-/// The candle op of a Linear with bias: `x W^T + b` with the bias as the GEMM's starting row.
+/// The candle op of a Linear with bias: `x W^T + b` with the bias as the GEMM's starting row, then
+/// the epilogue.
 #[derive(Clone, Debug)]
 struct LinearOp {
     gemm: GemmOp,
     /// Where the weight's values are read, when not from the weight itself ([`Operand::values`]).
     values: Option<Tensor>,
+    epilogue: Epilogue,
 }
 
 impl CustomOp3 for LinearOp {
@@ -316,7 +330,10 @@ impl CustomOp3 for LinearOp {
             let (w, _, [outputs, _]) = operand(s2, l2)?;
             // The weight (out, in) read as the (in, out) operand: its strides swapped.
             let w_t = MatRef { row_stride: w.col_stride, col_stride: w.row_stride, ..w };
-            let storage = self.gemm.product(Dims::new(rows, outputs, inputs), x, w_t, Some(bias))?;
+            let mut storage = self.gemm.product(Dims::new(rows, outputs, inputs), x, w_t, Some(bias))?;
+            if self.epilogue == Epilogue::Relu {
+                super::relu::relu_in_place(&mut storage)?;
+            }
             Ok((storage, (rows, outputs).into()))
         })
     }
@@ -326,9 +343,17 @@ impl CustomOp3 for LinearOp {
         x: &Tensor,
         w: &Tensor,
         bias: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let masked;
+        let grad = match self.epilogue {
+            Epilogue::Identity => grad,
+            Epilogue::Relu => {
+                masked = super::relu::relu_backward(res, grad)?;
+                &masked
+            }
+        };
         let dx = grad.apply_op2(self.values.as_ref().unwrap_or(w), self.gemm.backward(x.dtype()))?;
         let dw = grad.t()?.apply_op2(x, self.gemm.backward(w.dtype()))?;
         let db = super::column_sums::column_sums(grad)?;

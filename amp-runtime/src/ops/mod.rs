@@ -7,7 +7,7 @@
 //! | matmul-class | [`matmul`], [`linear`] | operands cast to the compute precision; products accumulate in f32 |
 //! | fp32 | [`exp`], [`log`], [`pow`], [`softmax`], [`log_softmax`], [`sum`], [`mean`], [`norm`], [`cumsum`], [`var`], [`std`](fn@std), every [`loss`] | f16/bf16 inputs widened to f32, result f32 |
 //! | promote | [`add`], [`sub`], [`mul`], [`div`], [`cat`], [`stack`], [`maximum`], [`minimum`] | inputs cast to the widest float dtype among them |
-//! | activation | [`gelu`] | computed in f32 in one pass (backward too), result in the input's dtype |
+//! | activation | [`gelu`], [`relu`] | computed in f32 in one pass (backward too), result in the input's dtype |
 //!
 //! Why fp32 for the second class: candle reduces in the storage dtype, so on CPU the sum of 10,000 ones
 //! is 2048 in f16 and 256 in bf16 (the accumulator stops growing once the increment is below half an
@@ -28,6 +28,7 @@
 //! ```
 
 mod column_sums;
+mod elementwise;
 mod fp32;
 pub(crate) mod fused_softmax;
 mod gelu;
@@ -36,6 +37,7 @@ pub(crate) mod heads;
 mod layer_norm;
 pub mod loss;
 mod promote;
+mod relu;
 
 pub use fp32::{
     cumsum, exp, log, log_softmax, mean, mean_all, mean_keepdim, norm, pow, softmax, std, sum, sum_all,
@@ -43,9 +45,10 @@ pub use fp32::{
 };
 pub use gelu::gelu;
 pub use gemm::matmul_to;
-pub(crate) use gemm::Operand;
+pub(crate) use gemm::{Epilogue, Operand};
 pub(crate) use layer_norm::layer_norm;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
+pub use relu::relu;
 
 use candle_core::{DType, Result, Tensor};
 
@@ -66,17 +69,19 @@ pub fn matmul(a: &Tensor, b: &Tensor, compute: Precision) -> Result<Tensor> {
 /// The product is summed in f32, the bias added in f32 and the sum rounded once (a GEMM epilogue's
 /// order); the bias gradient, a sum over every row, then accumulates in f32, not in half.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, compute: Precision) -> Result<Tensor> {
-    linear_to(x, &Operand::of(weight), bias, compute, compute.dtype())
+    linear_to(x, &Operand::of(weight), bias, compute, compute.dtype(), Epilogue::Identity)
 }
 
-/// [`linear`] with the result in `out`: leading dimensions of `x` are folded into the rows of one
-/// product (the weight is read once, transposed in place).
+/// [`linear`] with the result in `out`, then the epilogue: leading dimensions of `x` are folded into
+/// the rows of one product (the weight is read once, transposed in place). With a bias on amp's GEMM
+/// the epilogue is part of the product's op; otherwise it follows as its own op.
 pub(crate) fn linear_to(
     x: &Tensor,
     weight: &Operand,
     bias: Option<&Tensor>,
     compute: Precision,
     out: DType,
+    epilogue: Epilogue,
 ) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let features =
@@ -84,11 +89,14 @@ pub(crate) fn linear_to(
     let rows = x.elem_count() / features.max(1);
     let x2 = if dims.len() == 2 { x.clone() } else { x.reshape((rows, features))? };
     let fused = match bias {
-        Some(bias) => gemm::linear_bias(&x2, weight, bias, compute, out)?,
+        Some(bias) => gemm::linear_bias(&x2, weight, bias, compute, out, epilogue)?,
         None => None,
     };
     let y = match (fused, bias) {
         (Some(y), _) => y,
+        (None, _) if epilogue == Epilogue::Relu => {
+            relu(&linear_to(&x2, weight, bias, compute, out, Epilogue::Identity)?)?
+        }
         (None, Some(bias)) => gemm::product_to(&x2, &weight.t()?, compute, DType::F32)?
             .broadcast_add(&bias.to_dtype(DType::F32)?)?
             .to_dtype(out)?,

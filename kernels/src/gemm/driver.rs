@@ -192,9 +192,17 @@ impl Job<'_> {
             let threads = if parallel { rayon::current_num_threads() } else { 1 };
             let mc = rows_per_block(m, M::B.mr, M::B.mc, batch * n_blocks, threads);
             let m_blocks = m.div_ceil(mc);
+            // Consecutive blocks share the larger packed operand's panels: rayon hands each thread a
+            // contiguous range of blocks, as it did of panels when packing, so each thread mostly reads
+            // the panels it packed (from its own L2) and the larger operand is split between threads.
+            let columns_outer = b_len > a_len;
             let block = |i: usize| {
                 let (batch, rest) = (i / (m_blocks * n_blocks), i % (m_blocks * n_blocks));
-                let (row, col) = (rest / n_blocks * mc, rest % n_blocks * M::B.nc);
+                let (row, col) = if columns_outer {
+                    (rest % m_blocks * mc, rest / m_blocks * M::B.nc)
+                } else {
+                    (rest / n_blocks * mc, rest % n_blocks * M::B.nc)
+                };
                 let block = Block { batch, row, col, rows: mc.min(m - row), cols: M::B.nc.min(n - col) };
                 self.block(micro, block, steps, a_packed, b_packed);
             };
@@ -411,7 +419,10 @@ impl Job<'_> {
 /// on one thread, the straddling loads cost a third of its speed (575 against 910 GFLOP/s).
 fn cache_aligned<T: Copy + Default>(words: &mut Vec<T>, len: usize) -> &mut [T] {
     let line = 64 / std::mem::size_of::<T>();
-    words.resize(len + line - 1, T::default());
+    // Grown only, never shrunk: a shorter length would be filled again when a larger product follows.
+    if words.len() < len + line - 1 {
+        words.resize(len + line - 1, T::default());
+    }
     let skip = words.as_ptr().align_offset(64).min(line - 1);
     &mut words[skip..skip + len]
 }
