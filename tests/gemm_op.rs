@@ -246,3 +246,33 @@ fn linear_with_bias_matches_f64_forward_and_for_all_three_gradients() -> Result<
     }
     Ok(())
 }
+
+/// An operand that is neither a variable nor computed from one (a batch of data) gets no gradient, as
+/// in PyTorch: the product for it is not run. Variables and tensors computed from them get theirs, for
+/// plain products and for a Linear with bias, on the portable path and the automatic one.
+#[test]
+fn operands_that_are_not_tracked_get_no_gradient() -> Result<()> {
+    let dev = Device::Cpu;
+    for over in [Override::Path(GemmPath::Portable), Override::Auto] {
+        dispatch::with_override(over, || -> Result<()> {
+            let data = Tensor::randn(0f32, 1.0, (6, 9), &dev)?;
+            let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 9), &dev)?)?;
+            let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, 4, &dev)?)?;
+            let y = ops::linear(&data, &w, Some(&b), Precision::Bf16)?;
+            let grads = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
+            assert!(grads.get(&data).is_none(), "{over:?}: data got a gradient");
+            assert!(grads.get(&w).is_some() && grads.get(&b).is_some(), "{over:?}: parameters lost theirs");
+            // A tracked left operand (computed from a variable) keeps its gradient path.
+            let h = (w.as_tensor() * 2.0)?;
+            let z = ops::matmul(&data, &h.t()?, Precision::Bf16)?;
+            let grads = z.to_dtype(DType::F32)?.sum_all()?.backward()?;
+            assert!(grads.get(&data).is_none() && grads.get(&w).is_some(), "{over:?}: matmul");
+            let want = data.sum(0)?.unsqueeze(0)?.broadcast_as((4, 9))?.affine(2.0, 0.0)?;
+            let got = grads.get(&w).expect("w's gradient");
+            let err = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(err < 0.1, "{over:?}: w's gradient off by {err}");
+            Ok(())
+        })??;
+    }
+    Ok(())
+}

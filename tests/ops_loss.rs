@@ -162,3 +162,42 @@ fn near_fp16_overflow_losses_stay_finite_and_correct_where_half_overflows() -> R
     assert_eq!(l1_again.to_scalar::<f32>()?, l1.to_scalar::<f32>()?, "beta = 0 is the L1 loss");
     Ok(())
 }
+
+/// The one-op mean squared error (same shapes) and candle's chain (broadcast target) against f64, with
+/// gradients of both operands: `2 (p - t) / n` and its negative. The f32 forward sums squares in f64,
+/// so only its final rounding (and the f32 differences) separate it from the reference.
+#[test]
+fn mse_gradients_reach_both_operands_and_broadcast_targets_fall_back() -> Result<()> {
+    let pred = candle_core::Var::from_tensor(&common::randn_in(5, &[16, 12], 1.5, DType::F32)?)?;
+    for target_shape in [&[16usize, 12][..], &[12][..]] {
+        let target = candle_core::Var::from_tensor(&common::randn_in(6, target_shape, 1.0, DType::F32)?)?;
+        let loss = loss::mse(&pred, &target)?;
+        let grads = loss.backward()?;
+        let (p64, t64) = (pred.to_dtype(DType::F64)?, target.to_dtype(DType::F64)?.broadcast_as((16, 12))?);
+        let d = (&p64 - &t64)?;
+        let want = d.sqr()?.mean_all()?.to_scalar::<f64>()?;
+        let got = f64::from(loss.to_scalar::<f32>()?);
+        assert!(
+            (got - want).abs() <= want * 4.0 * f64::from(f32::EPSILON),
+            "{target_shape:?}: {got} vs {want}"
+        );
+        let dp_want = d.affine(2.0 / 192.0, 0.0)?;
+        let dp = grads.get(&pred).expect("pred's gradient");
+        common::assert_close(
+            &format!("{target_shape:?} dpred"),
+            dp,
+            &dp_want,
+            common::tolerance(DType::F32, 2, 2.0),
+        )?;
+        let dt = grads.get(&target).expect("target's gradient");
+        let dt_want = dp_want.neg()?.sum_keepdim(0)?;
+        let dt_want = if target_shape.len() == 1 { dt_want.squeeze(0)? } else { dp_want.neg()? };
+        common::assert_close(
+            &format!("{target_shape:?} dtarget"),
+            dt,
+            &dt_want,
+            common::tolerance(DType::F32, 2, 2.0),
+        )?;
+    }
+    Ok(())
+}

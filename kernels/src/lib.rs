@@ -74,6 +74,7 @@ pub mod scale;
 mod simd;
 mod slices;
 pub mod softmax;
+pub mod squared_error;
 pub mod timing;
 pub mod unscale;
 

@@ -291,10 +291,24 @@ impl CustomOp2 for GemmOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let b_read = self.b_values.as_ref().unwrap_or(b);
-        let da = grad.apply_op2(&b_read.t()?, self.backward(a.dtype()))?;
-        let db = a.t()?.apply_op2(grad, self.backward(b.dtype()))?;
-        Ok((gradient_sink::deposit(a, da)?, gradient_sink::deposit(b, db)?))
+        let da =
+            needs_gradient(a).then(|| grad.apply_op2(&b_read.t()?, self.backward(a.dtype()))).transpose()?;
+        let db = needs_gradient(b).then(|| a.t()?.apply_op2(grad, self.backward(b.dtype()))).transpose()?;
+        Ok((deposit(a, da)?, deposit(b, db)?))
     }
+}
+
+/// Whether backward must compute `t`'s gradient: `t` is a variable or was computed from one. An input
+/// that is neither (a batch of data) gets none, as in PyTorch, where candle's own ops compute and store
+/// one anyway: for a model's first layer that is a whole product (`dX = dY W`) and a zero-filled sum
+/// of its size, for nothing.
+fn needs_gradient(t: &Tensor) -> bool {
+    t.track_op()
+}
+
+/// Hands a computed gradient to [`gradient_sink::deposit`]; `None` stays `None`.
+fn deposit(arg: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor>> {
+    grad.map_or(Ok(None), |grad| gradient_sink::deposit(arg, grad))
 }
 
 /// The candle op of a Linear with bias: `x W^T + b` with the bias as the GEMM's starting row, then
@@ -354,10 +368,12 @@ impl CustomOp3 for LinearOp {
                 &masked
             }
         };
-        let dx = grad.apply_op2(self.values.as_ref().unwrap_or(w), self.gemm.backward(x.dtype()))?;
-        let dw = grad.t()?.apply_op2(x, self.gemm.backward(w.dtype()))?;
-        let db = super::column_sums::column_sums(grad)?;
-        let deposit = gradient_sink::deposit;
+        let w_read = self.values.as_ref().unwrap_or(w);
+        let dx =
+            needs_gradient(x).then(|| grad.apply_op2(w_read, self.gemm.backward(x.dtype()))).transpose()?;
+        let dw =
+            needs_gradient(w).then(|| grad.t()?.apply_op2(x, self.gemm.backward(w.dtype()))).transpose()?;
+        let db = needs_gradient(bias).then(|| super::column_sums::column_sums(grad)).transpose()?;
         Ok((deposit(x, dx)?, deposit(w, dw)?, deposit(bias, db)?))
     }
 }
