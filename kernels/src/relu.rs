@@ -32,10 +32,15 @@ pub fn forward_in_place(y: GradSliceMut<'_>) {
 /// If the lengths differ, or `dx`'s dtype is not `dy`'s.
 pub fn backward(y: GradSlice<'_>, dy: GradSlice<'_>, dx: GradSliceMut<'_>) {
     assert_eq!((y.len(), dy.len()), (dx.len(), dx.len()), "relu: y, dy and dx lengths");
-    match y {
-        GradSlice::F32(y) => backward_from(y, dy, dx),
-        GradSlice::F16(y) => backward_from(y, dy, dx),
-        GradSlice::Bf16(y) => backward_from(y, dy, dx),
+    match (y, dy, dx) {
+        // All f32 (an fp32 model, or a mixed one's f32 activations): no widening copies.
+        (GradSlice::F32(y), GradSlice::F32(dy), GradSliceMut::F32(dx)) => {
+            let chunks = dx.par_chunks_mut(CHUNK).zip(y.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK)));
+            chunks.for_each(|(dx, (y, dy))| mask_block(y, dy, dx));
+        }
+        (GradSlice::F32(y), dy, dx) => backward_from(y, dy, dx),
+        (GradSlice::F16(y), dy, dx) => backward_from(y, dy, dx),
+        (GradSlice::Bf16(y), dy, dx) => backward_from(y, dy, dx),
     }
 }
 

@@ -9,7 +9,8 @@
 //!    [`super::prefetch`]).
 //! 3. f32 output is accumulated in place; f16 / bf16 output is accumulated in an f32 scratch block
 //!    (per worker thread) and rounded once at the end, so a half C never holds a partial sum. A block
-//!    starts from zero, from C, or from a bias row ([`Start`]), written into it before the products.
+//!    starts from zero, from C, or from a bias row ([`Start`]): the AMX kernel loads the row into its
+//!    tiles, the others have it copied into each tile's rows just before its products.
 //!
 //! Every element of C is one FMA chain in `k` order regardless of blocking or thread count.
 
@@ -265,16 +266,12 @@ impl Job<'_> {
             // SAFETY: `origin` and the block's extent lie inside C (layout::check), and no other block
             // writes these elements.
             Ptr::F32(c) => unsafe {
-                let c = c.add(origin);
-                if let Start::Bias(bias) = self.start {
-                    // Raw copies: C may be uninitialised memory here (`run_new`).
-                    for r in 0..blk.rows {
-                        let row = &bias[blk.col..blk.col + blk.cols];
-                        std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * out.row_stride), blk.cols);
-                    }
-                }
-                let starts_from_c = !matches!(self.start, Start::Zero);
-                self.sweep(micro, blk, steps, a_packed, b_packed, c, out.row_stride, starts_from_c);
+                let start = match self.start {
+                    Start::Zero => TileStart::Zero,
+                    Start::Output => TileStart::C,
+                    Start::Bias(bias) => TileStart::Row(&bias[blk.col..blk.col + blk.cols]),
+                };
+                self.sweep(micro, blk, steps, a_packed, b_packed, c.add(origin), out.row_stride, start);
             },
             Ptr::F16(c) => {
                 self.through_scratch(micro, blk, steps, a_packed, b_packed, c.wrapping_add(origin))
@@ -318,7 +315,7 @@ impl Job<'_> {
                 b_packed,
                 scratch.as_mut_ptr(),
                 blk.cols,
-                !matches!(self.start, Start::Zero),
+                if matches!(self.start, Start::Zero) { TileStart::Zero } else { TileStart::C },
             );
         }
         for (r, row) in scratch.chunks_exact(blk.cols).enumerate() {
@@ -336,10 +333,11 @@ impl Job<'_> {
     }
 
     /// Every tile of the block, k-block by k-block, into f32 `c` (the block's origin, rows `ldc` apart),
-    /// adding to what `c` holds when `starts_from_c`, else starting from zero.
+    /// starting from `start`.
     ///
     /// # Safety
-    /// `c` is valid for the block's `rows x cols` floats at distance `ldc`.
+    /// `c` is valid for the block's `rows x cols` floats at distance `ldc`; a `TileStart::Row` holds
+    /// the block's `cols` floats.
     #[allow(clippy::too_many_arguments)]
     unsafe fn sweep<M: Micro>(
         &self,
@@ -350,14 +348,18 @@ impl Job<'_> {
         b_packed: &[M::Packed],
         c: *mut f32,
         ldc: usize,
-        starts_from_c: bool,
+        start: TileStart<'_>,
     ) {
         if steps == 0 {
-            if !starts_from_c {
-                for r in 0..blk.rows {
-                    // SAFETY: row r of the block, as the caller guarantees.
-                    // Raw zero bytes (0.0): C may be uninitialised memory (`run_new`).
-                    unsafe { std::ptr::write_bytes(c.add(r * ldc), 0, blk.cols) };
+            for r in 0..blk.rows {
+                // SAFETY: row r of the block, as the caller guarantees. Raw writes (zero bytes are
+                // 0.0): C may be uninitialised memory (`run_new`).
+                match start {
+                    TileStart::Zero => unsafe { std::ptr::write_bytes(c.add(r * ldc), 0, blk.cols) },
+                    TileStart::C => {}
+                    TileStart::Row(row) => unsafe {
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * ldc), blk.cols)
+                    },
                 }
             }
             return;
@@ -371,7 +373,13 @@ impl Job<'_> {
         let (b_tiles, a_tiles) = (blk.cols.div_ceil(M::B.nr), blk.rows.div_ceil(M::B.mr));
         for k0 in (0..steps).step_by(M::B.kc) {
             let kc = M::B.kc.min(steps - k0);
-            let load = starts_from_c || k0 > 0;
+            // The first k-block starts from zero, C or the row; later ones from what the first stored.
+            let (load, row) = match start {
+                _ if k0 > 0 => (true, None),
+                TileStart::Zero => (false, None),
+                TileStart::C => (true, None),
+                TileStart::Row(row) => (false, Some(row)),
+            };
             for jp in 0..b_tiles {
                 let b = b_panel(jp)[k0 * M::B.nr..].as_ptr();
                 let cols = M::B.nr.min(blk.cols - jp * M::B.nr);
@@ -397,10 +405,13 @@ impl Job<'_> {
                     // `begin` was called above.
                     unsafe {
                         let tile = c.add(ip * M::B.mr * ldc + jp * M::B.nr);
-                        if rows == M::B.mr && cols == M::B.nr {
-                            micro.tile(kc, a, b, tile, ldc, load);
-                        } else {
-                            edge_tile(micro, kc, a, b, tile, ldc, (rows, cols), load);
+                        let row = row.map(|row| &row[jp * M::B.nr..jp * M::B.nr + cols]);
+                        match row {
+                            _ if rows != M::B.mr || cols != M::B.nr => {
+                                edge_tile(micro, kc, a, b, tile, ldc, (rows, cols), load, row)
+                            }
+                            Some(row) => micro.tile_from_row(kc, a, b, tile, ldc, row.as_ptr()),
+                            None => micro.tile(kc, a, b, tile, ldc, load),
                         }
                     }
                 }
@@ -427,6 +438,16 @@ fn cache_aligned<T: Copy + Default>(words: &mut Vec<T>, len: usize) -> &mut [T] 
     &mut words[skip..skip + len]
 }
 
+/// Where a block's sums start in its first k-block.
+#[derive(Clone, Copy)]
+enum TileStart<'a> {
+    Zero,
+    /// From what C holds.
+    C,
+    /// From this row (the block's columns of a bias) in every row.
+    Row(&'a [f32]),
+}
+
 /// Rows per block of C: `m` split evenly over the fewest blocks of at most `mc` rows, rounded up to a
 /// multiple of `mr`; when the blocks are few (`other` blocks across the columns and the batch for each
 /// block of rows), over as many more as make the block count a multiple of `threads`: 3 blocks on 2
@@ -443,7 +464,8 @@ fn rows_per_block(m: usize, mr: usize, mc: usize, other: usize, threads: usize) 
     m.div_ceil(m_blocks.max(1)).next_multiple_of(mr).min(mc)
 }
 
-/// A tile cut by C's edge: computed whole in scratch, its present part copied in and out.
+/// A tile cut by C's edge: computed whole in scratch, its present part copied in (or its start row
+/// written into each row) and out.
 ///
 /// # Safety
 /// As [`Micro::tile`] for `a` and `b`; `c` valid for `rows x cols` floats at distance `ldc`.
@@ -457,6 +479,7 @@ unsafe fn edge_tile<M: Micro>(
     ldc: usize,
     (rows, cols): (usize, usize),
     load: bool,
+    row: Option<&[f32]>,
 ) {
     /// On a cache line, as the packed panels are ([`cache_aligned`]).
     #[repr(C, align(64))]
@@ -465,12 +488,16 @@ unsafe fn edge_tile<M: Micro>(
     let tmp = &mut tile.0;
     // SAFETY: as the caller guarantees; `tmp` holds MR x NR <= MAX_TILE floats at distance NR.
     unsafe {
-        if load {
+        if let Some(row) = row {
+            for r in 0..rows {
+                tmp[r * M::B.nr..r * M::B.nr + cols].copy_from_slice(row);
+            }
+        } else if load {
             for r in 0..rows {
                 std::ptr::copy_nonoverlapping(c.add(r * ldc), tmp.as_mut_ptr().add(r * M::B.nr), cols);
             }
         }
-        micro.tile(kc, a, b, tmp.as_mut_ptr(), M::B.nr, load);
+        micro.tile(kc, a, b, tmp.as_mut_ptr(), M::B.nr, load || row.is_some());
         for r in 0..rows {
             std::ptr::copy_nonoverlapping(tmp.as_ptr().add(r * M::B.nr), c.add(r * ldc), cols);
         }

@@ -62,6 +62,42 @@ impl Micro for TileAmx {
     }
 
     unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
+        let start = if load { Start::C } else { Start::Zero };
+        // SAFETY: the caller's guarantee.
+        unsafe { self.run(steps, a, b, c, ldc, start) }
+    }
+
+    unsafe fn tile_from_row(
+        self,
+        steps: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        ldc: usize,
+        row: *const f32,
+    ) {
+        // SAFETY: the caller's guarantee; `row` holds the tile's 32 columns.
+        unsafe { self.run(steps, a, b, c, ldc, Start::Row(row)) }
+    }
+}
+
+/// Where a tile's sums start.
+#[derive(Clone, Copy)]
+enum Start {
+    Zero,
+    /// From C's tile.
+    C,
+    /// From one row of 32 floats, the same for every row of the tile (a bias): tile loads with row
+    /// stride 0, so C is not written before the products.
+    Row(*const f32),
+}
+
+impl TileAmx {
+    /// [`Micro::tile`] with its start.
+    ///
+    /// # Safety
+    /// As [`Micro::tile`]; a `Start::Row` pointer is valid for 32 floats.
+    unsafe fn run(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, start: Start) {
         debug_assert_eq!(steps % GROUP, 0, "AMX panels are padded to whole groups");
         let c_row_bytes = ldc * 4;
         // SAFETY (whole body): `begin` configured the tiles on this thread; C holds 32 rows of 32 floats
@@ -69,8 +105,8 @@ impl Micro for TileAmx {
         // caller's guarantee), so every tile row loaded or stored lies inside them.
         unsafe {
             let c_low = c.add(16 * ldc);
-            if load {
-                asm!(
+            match start {
+                Start::C => asm!(
                     "tileloadd tmm0, [{c0} + {stride}*1]",
                     "tileloadd tmm1, [{c1} + {stride}*1]",
                     "tileloadd tmm2, [{c2} + {stride}*1]",
@@ -81,15 +117,24 @@ impl Micro for TileAmx {
                     c3 = in(reg) c_low.add(16),
                     stride = in(reg) c_row_bytes,
                     options(nostack, readonly, preserves_flags),
-                );
-            } else {
-                asm!(
+                ),
+                Start::Row(row) => asm!(
+                    "tileloadd tmm0, [{r0} + {zero}*1]",
+                    "tileloadd tmm1, [{r1} + {zero}*1]",
+                    "tileloadd tmm2, [{r0} + {zero}*1]",
+                    "tileloadd tmm3, [{r1} + {zero}*1]",
+                    r0 = in(reg) row,
+                    r1 = in(reg) row.add(16),
+                    zero = in(reg) 0usize,
+                    options(nostack, readonly, preserves_flags),
+                ),
+                Start::Zero => asm!(
                     "tilezero tmm0",
                     "tilezero tmm1",
                     "tilezero tmm2",
                     "tilezero tmm3",
                     options(nostack, nomem, preserves_flags)
-                );
+                ),
             }
             for group in 0..steps / GROUP {
                 let a0 = a.add(group * GROUP * AMX_32X32.mr);

@@ -98,6 +98,30 @@ pub(crate) trait Micro: Copy + Send + Sync {
         load: bool,
     );
 
+    /// `C[MR x NR] = row + A·B`: every row of the tile starts from the same `NR` floats (a bias), C is
+    /// only written. By default the row is copied into C's rows and [`Micro::tile`] loads them; the
+    /// AMX kernel loads it into its tiles directly.
+    ///
+    /// # Safety
+    /// As [`Micro::tile`]; `row` is valid for `NR` reads.
+    unsafe fn tile_from_row(
+        self,
+        steps: usize,
+        a: *const Self::Packed,
+        b: *const Self::Packed,
+        c: *mut f32,
+        ldc: usize,
+        row: *const f32,
+    ) {
+        // SAFETY: the caller's guarantee: C holds MR rows of NR floats `ldc` apart, `row` NR floats.
+        unsafe {
+            for r in 0..Self::B.mr {
+                std::ptr::copy_nonoverlapping(row, c.add(r * ldc), Self::B.nr);
+            }
+            self.tile(steps, a, b, c, ldc, true);
+        }
+    }
+
     /// Prepares this thread before a block's tiles (AMX loads its tile configuration). Nothing for the
     /// register kernels.
     fn begin(self) {}
