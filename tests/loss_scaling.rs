@@ -414,3 +414,56 @@ fn deferred_steps_on_the_cpu_are_step_fused_with_the_reports_summed_at_settle() 
     }
     Ok(())
 }
+
+/// The fused step's overflow check reads only the gradients amp's products did not already check when
+/// they deposited them (`gradient_sink`): a product's gradient that overflows is still found, the step
+/// skipped and every master and working copy left bit for bit, the optimizer's step count too; the
+/// next finite step applies.
+#[test]
+fn fused_step_finds_an_overflow_in_a_product_gradient_and_changes_nothing() -> amp::Result<()> {
+    use amp::dispatch::{self, GemmPath, Override};
+    use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
+
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let vb = amp::varmap::SeededInit::new(5).var_builder(&varmap, DType::F32, &dev);
+    // fp32 parameters: every gradient (weights' and biases') is then deposited by a product op and
+    // checked there, so only that check can see the overflow (under O2 a bias's gradient reaches its
+    // master through candle's store, and is checked in the step).
+    let mut net = Net { hidden: linear(4, 16, vb.pp("hidden"))?, out: linear(16, 1, vb.pp("out"))? };
+    amp::initialize(&mut net, AmpConfig { opt_level: OptLevel::O0, half: Precision::Fp16 })?;
+    let mut adam = FusedAdamW::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+    let mut scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
+    let (x, y) = batch(0)?;
+    let loss =
+        |factor: f64| -> candle_core::Result<Tensor> { amp::ops::loss::mse(&net.forward(&x)?, &y)? * factor };
+    let state = |net: &Net, adam: &FusedAdamW| -> amp::Result<Vec<u8>> {
+        let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+            Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect())
+        };
+        let mut all = Vec::new();
+        for (_, p) in net.named_params() {
+            all.extend(bits(p.master().as_tensor())?);
+            all.extend(p.working().map(|w| bits(w.as_tensor())).transpose()?.unwrap_or_default());
+        }
+        let mut bytes: Vec<u8> = all.iter().flat_map(|b| b.to_le_bytes()).collect();
+        bytes.extend(adam.steps()?.to_le_bytes());
+        Ok(bytes)
+    };
+    // amp's GEMM for every product (the dispatcher would leave products this small to candle).
+    let over = Override::Path(GemmPath::Portable);
+    dispatch::with_override(over, || -> amp::Result<()> {
+        assert!(scaler.step_fused(&loss(1.0)?, &mut adam, None)?.applied());
+        let before = state(&net, &adam)?;
+        // The loss taken to half of f32's largest value: finite, but gradients that sum it over the
+        // batch overflow (fp32: no loss scale).
+        let factor = f64::from(f32::MAX) / 2.0 / f64::from(loss(1.0)?.to_scalar::<f32>()?);
+        let report = scaler.step_fused(&loss(factor)?, &mut adam, None)?;
+        assert!(matches!(report.skipped, Some(SkipReason::GradientOverflow { .. })), "{report}");
+        assert!(state(&net, &adam)? == before, "a skipped step changed the model or the optimizer");
+        assert!(scaler.step_fused(&loss(1.0)?, &mut adam, None)?.applied());
+        assert!(state(&net, &adam)? != before);
+        Ok(())
+    })??;
+    Ok(())
+}

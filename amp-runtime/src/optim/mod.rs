@@ -151,7 +151,7 @@ impl GradScaler {
         if !loss_finite && !stages.collective() {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
-        let mut grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
+        let (mut grads, checked) = crate::gradient_sink::backward_checked(&self.scale_loss(loss)?)?;
         let inv_scale = 1.0 / self.scale();
         let params = optimizer.param_groups().params();
         params::fold_split_gradients(params, &mut grads)?;
@@ -169,6 +169,13 @@ impl GradScaler {
         };
         let first_bad = match norm {
             Some(norm) if norm.is_finite() => None,
+            // Gradients checked when deposited are skipped, unless ranks have since summed theirs in.
+            _ if !stages.collective() => {
+                let unchecked: Vec<usize> =
+                    (0..tensors.len()).filter(|&i| !checked.contains(tensors[i])).collect();
+                let rest: Vec<_> = unchecked.iter().map(|&i| tensors[i]).collect();
+                crate::passes::find_non_finite(&rest)?.map(|i| unchecked[i])
+            }
             _ => crate::passes::find_non_finite(&tensors)?,
         };
         let reduced = match (first_bad, norm) {
