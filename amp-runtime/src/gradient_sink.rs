@@ -150,6 +150,28 @@ mod tests {
     }
 
     #[test]
+    fn a_linear_without_bias_deposits_its_weights_gradient() -> Result<()> {
+        let dev = Device::Cpu;
+        let (x, w) = (
+            Tensor::randn(0f32, 1.0, (5, 3), &dev)?,
+            Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 3), &dev)?)?,
+        );
+        with_override(Override::Path(GemmPath::Portable), || -> Result<()> {
+            let loss = || ops::linear(&x, &w, None, Precision::Fp32)?.sqr()?.sum_all();
+            let theirs = loss()?.backward()?;
+            let open = super::Open::new();
+            let grads = loss()?.backward()?;
+            let sunk = open.close();
+            assert!(grads.get(w.as_tensor()).is_none(), "not through candle's store");
+            let ours = &sunk.get(&w.id()).expect("deposited").grad;
+            let want = theirs.get(w.as_tensor()).expect("a gradient");
+            assert_eq!(ours.flatten_all()?.to_vec1::<f32>()?, want.flatten_all()?.to_vec1::<f32>()?);
+            Ok(())
+        })
+        .expect("a valid override")
+    }
+
+    #[test]
     fn amps_pass_returns_candles_gradients_and_leaves_user_passes_alone() -> Result<()> {
         let dev = Device::Cpu;
         let var = |shape: &[usize]| Var::from_tensor(&Tensor::randn(0f32, 1.0, shape, &dev)?);

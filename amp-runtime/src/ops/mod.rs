@@ -90,7 +90,13 @@ pub(crate) fn linear_to(
     let x2 = if dims.len() == 2 { x.clone() } else { x.reshape((rows, features))? };
     let fused = match bias {
         Some(bias) => gemm::linear_bias(&x2, weight, bias, compute, out, epilogue)?,
-        None => None,
+        // Without a bias, the same op from a zero row (untracked: no gradient is computed for it), so
+        // that the weight is read transposed in place and its gradient deposited on the weight itself,
+        // not sent back through a transpose and candle's zero-filled sum.
+        None => {
+            let zero = Tensor::zeros(weight.differentiated.dim(0)?, DType::F32, x.device())?;
+            gemm::linear_bias(&x2, weight, &zero, compute, out, epilogue)?
+        }
     };
     let y = match (fused, bias) {
         (Some(y), _) => y,
