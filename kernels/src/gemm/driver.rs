@@ -3,10 +3,11 @@
 //! 1. Both operands are packed once, every panel of every batch in parallel, into buffers kept per
 //!    calling thread (they grow to the largest product seen and are reused), each starting on a cache
 //!    line so that no vector or tile row load of a panel straddles two lines.
-//! 2. C is cut into blocks of `MC x NC`; blocks run in parallel. Inside a block, for each k-block of
-//!    `KC` steps, each B micro-panel (`KC x NR`, L1-sized; AMX's L2-sized) is swept by every A
-//!    micro-panel of the block, while the next B micro-panel is prefetched into L2 (register kernels;
-//!    [`super::prefetch`]).
+//! 2. C is cut into blocks of `MC x NC`; blocks run in parallel, consecutive ones sharing the larger
+//!    packed operand's panels (so each thread mostly reads what it packed). Inside a block, for each
+//!    k-block of `KC` steps, each B micro-panel (`KC x NR`, L1-sized; AMX's L2-sized) is swept by every
+//!    A micro-panel of the block, while the next B micro-panel is prefetched into L2 (register
+//!    kernels; [`super::prefetch`]).
 //! 3. f32 output is accumulated in place; f16 / bf16 output is accumulated in an f32 scratch block
 //!    (per worker thread) and rounded once at the end, so a half C never holds a partial sum. A block
 //!    starts from zero, from C, or from a bias row ([`Start`]): the AMX kernel loads the row into its
