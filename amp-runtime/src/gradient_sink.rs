@@ -14,7 +14,7 @@
 //! overflow check reads only the others (`GradScaler::step_fused`; on the MLP bench the check's pass
 //! over every weight gradient was 3% of a bf16 step's samples).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 
@@ -46,17 +46,24 @@ impl CheckedFinite {
 thread_local! {
     /// `Some` while [`backward`] runs on this thread.
     static SINK: RefCell<Option<Sunk>> = const { RefCell::new(None) };
+    /// Whether deposits are checked for inf/NaN ([`backward_checked`]).
+    static CHECK: Cell<bool> = const { Cell::new(false) };
 }
 
 /// `loss.backward()`, with the gradients amp's product ops deposit merged in: what candle's pass
 /// alone would return, computed with less memory traffic.
 pub(crate) fn backward(loss: &Tensor) -> Result<GradStore> {
-    Ok(backward_checked(loss)?.0)
+    Ok(backward_pass(loss, false)?.0)
 }
 
 /// [`backward`], and which of the gradients in the store were found all finite when deposited.
 pub(crate) fn backward_checked(loss: &Tensor) -> Result<(GradStore, CheckedFinite)> {
-    let open = Open::new();
+    backward_pass(loss, true)
+}
+
+/// The pass, each deposit checked when `check`.
+fn backward_pass(loss: &Tensor, check: bool) -> Result<(GradStore, CheckedFinite)> {
+    let open = Open::new(check);
     let grads = loss.backward();
     let sunk = open.close();
     let mut grads = grads?;
@@ -96,7 +103,9 @@ pub(crate) fn deposit(arg: &Tensor, grad: Tensor) -> Result<Option<Tensor>> {
             Entry::Vacant(entry) => {
                 // Checked now, while the product that wrote it has left it in cache (CPU only: on a
                 // GPU this would wait for the device).
-                let finite = grad.device().is_cpu() && crate::passes::find_non_finite(&[&grad])?.is_none();
+                let finite = CHECK.get()
+                    && grad.device().is_cpu()
+                    && crate::passes::find_non_finite(&[&grad])?.is_none();
                 entry.insert(Deposit { var: arg.clone(), grad, finite });
             }
         }
@@ -107,17 +116,20 @@ pub(crate) fn deposit(arg: &Tensor, grad: Tensor) -> Result<Option<Tensor>> {
 /// The sink open on this thread; dropping it unclosed (a panic in the pass) restores the state before.
 struct Open {
     before: Option<Sunk>,
+    checked_before: bool,
     closed: bool,
 }
 
 impl Open {
-    fn new() -> Open {
-        Open { before: SINK.replace(Some(Sunk::new())), closed: false }
+    /// Opens a sink whose deposits are checked for inf/NaN when `check`.
+    fn new(check: bool) -> Open {
+        Open { before: SINK.replace(Some(Sunk::new())), checked_before: CHECK.replace(check), closed: false }
     }
 
     /// What was deposited since [`Open::new`]; the state before is back.
     fn close(mut self) -> Sunk {
         self.closed = true;
+        CHECK.set(self.checked_before);
         SINK.replace(self.before.take()).unwrap_or_default()
     }
 }
@@ -125,6 +137,7 @@ impl Open {
 impl Drop for Open {
     fn drop(&mut self) {
         if !self.closed {
+            CHECK.set(self.checked_before);
             SINK.set(self.before.take());
         }
     }
@@ -159,7 +172,7 @@ mod tests {
         with_override(Override::Path(GemmPath::Portable), || -> Result<()> {
             let loss = || ops::linear(&x, &w, None, Precision::Fp32)?.sqr()?.sum_all();
             let theirs = loss()?.backward()?;
-            let open = super::Open::new();
+            let open = super::Open::new(true);
             let grads = loss()?.backward()?;
             let sunk = open.close();
             assert!(grads.get(w.as_tensor()).is_none(), "not through candle's store");
@@ -187,7 +200,7 @@ mod tests {
                 assert_eq!(get(&ours)?, get(&theirs)?, "shape {:?}", v.shape());
             }
             // Every one of them went through the sink, none through candle's store.
-            let open = super::Open::new();
+            let open = super::Open::new(true);
             let grads = loss(&x, &w, &b, &m, &r)?.backward()?;
             let sunk = open.close();
             for v in [&x, &w, &b, &m] {
@@ -211,6 +224,10 @@ mod tests {
             };
             let (grads, checked) = super::backward_checked(&twice(&x)?)?;
             assert!(!checked.contains(grads.get(x.as_tensor()).expect("a gradient")), "a sum is not checked");
+            // The scaler's other passes (`backward`) do not check.
+            let open = super::Open::new(false);
+            loss(&x, &w, &b, &m, &r)?.backward()?;
+            assert!(open.close().values().all(|deposit| !deposit.finite), "checked unasked");
             // Closed again: a variable's gradient goes back to candle.
             assert!(super::deposit(w.as_tensor(), w.as_tensor().ones_like()?)?.is_some());
             Ok(())

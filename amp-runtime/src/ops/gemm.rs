@@ -82,10 +82,10 @@ pub(crate) enum Epilogue {
     Relu,
 }
 
-/// `x W^T + b` for `x` `(rows, in)`, `weight` `(out, in)` and `bias` `(out)`: one GEMM that starts
-/// every row from the bias (added in f32, rounded once with the sum into `out`), then the epilogue. Its
-/// backward runs two GEMMs and sums the bias gradient in f32. `None` when the dispatcher does not pick
-/// amp's GEMM.
+/// `x W^T + b` for `x` `(rows, in)`, `weight` `(out, in)` and `bias` `(out)` (zeros for a Linear
+/// without bias: an untracked tensor gets no gradient): one GEMM that starts every row from the bias
+/// (added in f32, rounded once with the sum into `out`), then the epilogue. Its backward runs two GEMMs
+/// and sums the bias gradient in f32. `None` when the dispatcher does not pick amp's GEMM.
 pub(crate) fn linear_bias(
     x: &Tensor,
     weight: &Operand,
@@ -311,8 +311,8 @@ fn deposit(arg: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor>> {
     grad.map_or(Ok(None), |grad| gradient_sink::deposit(arg, grad))
 }
 
-/// The candle op of a Linear with bias: `x W^T + b` with the bias as the GEMM's starting row, then
-/// the epilogue.
+/// The candle op of a Linear: `x W^T + b` with the bias as the GEMM's starting row (an untracked zero
+/// row for a Linear without bias), then the epilogue.
 #[derive(Clone, Debug)]
 struct LinearOp {
     gemm: GemmOp,
