@@ -68,8 +68,9 @@ impl Block {
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
-        // amp's GELU: one pass each way in f32 (candle's backward is a chain of half-precision tensor ops).
-        let hidden = amp::ops::gelu(&self.mlp.up.forward(&self.ln2.forward(&x)?)?)?;
+        // amp's GELU, fused into the up-projection's op: one pass each way in f32 (candle's backward is
+        // a chain of half-precision tensor ops), and no graph node of its own between the products.
+        let hidden = self.mlp.up.forward_gelu(&self.ln2.forward(&x)?)?;
         x + self.mlp.down.forward(&hidden)?
     }
 }

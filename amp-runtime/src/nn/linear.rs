@@ -62,6 +62,16 @@ impl Linear {
         self.forward_with(xs, Epilogue::Relu)
     }
 
+    /// `gelu(x W^T + b)` (tanh approximation): the same values as `forward` followed by
+    /// [`crate::ops::gelu`], with GELU computed from the fresh product and, in the backward pass, the
+    /// gradient taken back through it inside the op that runs the two backward products (amp's CPU
+    /// GEMM). The op keeps the product for that, as the separate GELU's graph node keeps its input;
+    /// what goes is that node's gradient: a zero-filled tensor of its size and an add, each step.
+    /// Elsewhere `forward` then [`crate::ops::gelu`].
+    pub fn forward_gelu(&self, xs: &Tensor) -> Result<Tensor> {
+        self.forward_with(xs, Epilogue::Gelu)
+    }
+
     fn forward_with(&self, xs: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
         let compute = self.precision.compute;
         let out = self.precision.output.map_or(xs.dtype(), |p| p.dtype());

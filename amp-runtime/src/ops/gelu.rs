@@ -35,6 +35,19 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `gelu(x)` of a whole contiguous storage (a fresh product), in a new storage of its dtype.
+pub(super) fn gelu_of(x: &CpuStorage, len: usize) -> Result<CpuStorage> {
+    let x = elements(x, &Layout::contiguous(len))?;
+    Ok(new_storage(x.dtype(), x.len(), |y| amp_kernels::gelu::forward(x, y)))
+}
+
+/// `dy * gelu'(x)` in `x`'s dtype, for a whole contiguous storage `x` and `dy` of its length.
+pub(super) fn gelu_gradient(x: &CpuStorage, dy: &CpuStorage, dy_layout: &Layout) -> Result<CpuStorage> {
+    let dy = elements(dy, dy_layout)?;
+    let x = elements(x, &Layout::contiguous(dy.len()))?;
+    Ok(new_storage(x.dtype(), x.len(), |dx| amp_kernels::gelu::backward(x, dy, dx)))
+}
+
 struct Gelu;
 
 impl CustomOp1 for Gelu {

@@ -9,7 +9,9 @@
 
 use amp_kernels::gemm::{gemm_new, Compute, Dims, GemmPath, MatRef, NewOutput, OutputType};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::dispatch::{self, compute_of, MatmulKernel};
 use crate::{gradient_sink, Precision};
@@ -80,6 +82,10 @@ pub(crate) enum Epilogue {
     /// `relu(x W^T + b)`, clamped in place on the product; the backward masks the gradient by the
     /// output first ([`super::relu`]).
     Relu,
+    /// `gelu(x W^T + b)` ([`super::gelu`]), from the product while it is in cache; the op keeps the
+    /// product (as a separate GELU's node would keep its input) and the backward turns the gradient
+    /// into the product's first, without a graph node or a zero-filled sum in between.
+    Gelu,
 }
 
 /// `x W^T + b` for `x` `(rows, in)`, `weight` `(out, in)` and `bias` `(out)` (zeros for a Linear
@@ -103,7 +109,8 @@ pub(crate) fn linear_bias(
             let bias = bias.to_dtype(DType::F32)?.contiguous()?;
             let gemm = GemmOp { path, compute: compute_of(compute), out, b_values: None };
             let values = weight.values.clone().filter(|v| v.dims() == w.dims());
-            Ok(Some(x.apply_op3(w, &bias, LinearOp { gemm, values, epilogue })?))
+            let pre_activation = Arc::default();
+            Ok(Some(x.apply_op3(w, &bias, LinearOp { gemm, values, epilogue, pre_activation })?))
         }
         _ => Ok(None),
     }
@@ -319,6 +326,8 @@ struct LinearOp {
     /// Where the weight's values are read, when not from the weight itself ([`Operand::values`]).
     values: Option<Tensor>,
     epilogue: Epilogue,
+    /// The product before a GELU epilogue, kept by the forward for the backward.
+    pre_activation: Arc<Mutex<Option<CpuStorage>>>,
 }
 
 impl CustomOp3 for LinearOp {
@@ -345,8 +354,14 @@ impl CustomOp3 for LinearOp {
             // The weight (out, in) read as the (in, out) operand: its strides swapped.
             let w_t = MatRef { row_stride: w.col_stride, col_stride: w.row_stride, ..w };
             let mut storage = self.gemm.product(Dims::new(rows, outputs, inputs), x, w_t, Some(bias))?;
-            if self.epilogue == Epilogue::Relu {
-                super::relu::relu_in_place(&mut storage)?;
+            match self.epilogue {
+                Epilogue::Identity => {}
+                Epilogue::Relu => super::relu::relu_in_place(&mut storage)?,
+                Epilogue::Gelu => {
+                    let y = super::gelu::gelu_of(&storage, rows * outputs)?;
+                    *lock(&self.pre_activation)? = Some(storage);
+                    storage = y;
+                }
             }
             Ok((storage, (rows, outputs).into()))
         })
@@ -367,6 +382,12 @@ impl CustomOp3 for LinearOp {
                 masked = super::relu::relu_backward(res, grad)?;
                 &masked
             }
+            Epilogue::Gelu => {
+                masked = grad
+                    .contiguous()?
+                    .apply_op1_no_bwd(&GeluEpilogueGradient(self.pre_activation.clone()))?;
+                &masked
+            }
         };
         let w_read = self.values.as_ref().unwrap_or(w);
         let dx =
@@ -375,5 +396,26 @@ impl CustomOp3 for LinearOp {
             needs_gradient(w).then(|| grad.t()?.apply_op2(x, self.gemm.backward(w.dtype()))).transpose()?;
         let db = needs_gradient(bias).then(|| super::column_sums::column_sums(grad)).transpose()?;
         Ok((deposit(x, dx)?, deposit(w, dw)?, deposit(bias, db)?))
+    }
+}
+
+/// The kept product of a GELU epilogue.
+fn lock(kept: &Mutex<Option<CpuStorage>>) -> Result<MutexGuard<'_, Option<CpuStorage>>> {
+    kept.lock().map_err(|_| candle_core::Error::Msg("amp-linear: a panic poisoned the kept product".into()))
+}
+
+/// The gradient of a GELU epilogue's input (the product) from its output's: `dy * gelu'(product)`.
+struct GeluEpilogueGradient(Arc<Mutex<Option<CpuStorage>>>);
+
+impl CustomOp1 for GeluEpilogueGradient {
+    fn name(&self) -> &'static str {
+        "amp-linear-gelu-backward"
+    }
+
+    fn cpu_fwd(&self, dy: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let kept = lock(&self.0)?;
+        let product =
+            kept.as_ref().ok_or_else(|| candle_core::Error::Msg("amp-linear: no kept product".into()))?;
+        Ok((super::gelu::gelu_gradient(product, dy, layout)?, layout.shape().clone()))
     }
 }

@@ -103,6 +103,9 @@ pub(crate) fn linear_to(
         (None, _) if epilogue == Epilogue::Relu => {
             relu(&linear_to(&x2, weight, bias, compute, out, Epilogue::Identity)?)?
         }
+        (None, _) if epilogue == Epilogue::Gelu => {
+            gelu(&linear_to(&x2, weight, bias, compute, out, Epilogue::Identity)?)?
+        }
         (None, Some(bias)) => gemm::product_to(&x2, &weight.t()?, compute, DType::F32)?
             .broadcast_add(&bias.to_dtype(DType::F32)?)?
             .to_dtype(out)?,

@@ -1,7 +1,8 @@
-//! `Linear::forward_relu` (the ReLU as the epilogue of the layer's GEMM op) and `ops::relu` (one pass
-//! each way): the same values and gradients as the layer followed by the separate op, bit for bit, in
-//! fp32 and under O2 bf16 / fp16; and the fused fp32 layer against an f64 reference of
-//! `relu(x W^T + b)` and its three gradients.
+//! `Linear::forward_relu` and `Linear::forward_gelu` (the activation as the epilogue of the layer's
+//! GEMM op) and `ops::relu` (one pass each way): the same values and gradients as the layer followed by
+//! the separate op, bit for bit, in fp32 and under O2 bf16 / fp16; and the fused fp32 ReLU layer against
+//! an f64 reference of `relu(x W^T + b)` and its three gradients (GELU's own accuracy is tested against
+//! f64 in `ops::gelu`).
 //!
 //! Tolerance of the f64 comparison: every output and gradient element is one f32 sum of `k` products
 //! (k = 48 inputs for the output and `dx`, 40 rows for `dW` and `db`), so its error is at most
@@ -38,9 +39,22 @@ fn setup(config: AmpConfig, seed: u64) -> Result<(One, Var, Tensor)> {
     Ok((model, x, g))
 }
 
-/// The output, and the gradients of `x`, the weight and the bias of `sum(y * g)`.
-fn run(model: &One, x: &Var, g: &Tensor, fused: bool) -> Result<[Tensor; 4]> {
-    let y = if fused { model.fc.forward_relu(x)? } else { ops::relu(&model.fc.forward(x)?)? };
+/// The activations an epilogue can fuse.
+#[derive(Clone, Copy, Debug)]
+enum Act {
+    Relu,
+    Gelu,
+}
+
+/// The output, and the gradients of `x`, the weight and the bias of `sum(y * g)`, with `act` fused
+/// into the layer or applied after it.
+fn run(model: &One, x: &Var, g: &Tensor, act: Act, fused: bool) -> Result<[Tensor; 4]> {
+    let y = match (act, fused) {
+        (Act::Relu, true) => model.fc.forward_relu(x)?,
+        (Act::Relu, false) => ops::relu(&model.fc.forward(x)?)?,
+        (Act::Gelu, true) => model.fc.forward_gelu(x)?,
+        (Act::Gelu, false) => ops::gelu(&model.fc.forward(x)?)?,
+    };
     let grads = (y.to_dtype(DType::F32)? * g)?.sum_all()?.backward()?;
     let param_grad = |p: &amp::Param| -> Result<Tensor> {
         let grad = p.grad("fc", &grads).map_err(candle_core::Error::wrap)?;
@@ -55,23 +69,24 @@ fn bits(t: &Tensor) -> Result<Vec<u32>> {
 }
 
 #[test]
-fn fused_relu_is_the_layer_then_the_op_bit_for_bit_in_every_precision() -> Result<()> {
+fn fused_activations_are_the_layer_then_the_op_bit_for_bit_in_every_precision() -> Result<()> {
     let dev = Device::Cpu;
     let configs = [
         AmpConfig { opt_level: OptLevel::O0, half: Precision::Bf16 },
         AmpConfig::new(OptLevel::O2, &dev).with_half(Precision::Bf16),
         AmpConfig::new(OptLevel::O2, &dev).with_half(Precision::Fp16),
     ];
-    for config in configs {
+    for (config, act) in configs.into_iter().flat_map(|c| [(c, Act::Relu), (c, Act::Gelu)]) {
         let (model, x, g) = setup(config, 7)?;
-        let fused = run(&model, &x, &g, true)?;
-        let apart = run(&model, &x, &g, false)?;
+        let fused = run(&model, &x, &g, act, true)?;
+        let apart = run(&model, &x, &g, act, false)?;
         for (what, (f, a)) in ["y", "dx", "dW", "db"].iter().zip(fused.iter().zip(&apart)) {
-            assert_eq!(f.dtype(), a.dtype(), "{what} under {config:?}");
-            assert_eq!(bits(f)?, bits(a)?, "{what} under {config:?}");
+            assert_eq!(f.dtype(), a.dtype(), "{act:?} {what} under {config:?}");
+            assert_eq!(bits(f)?, bits(a)?, "{act:?} {what} under {config:?}");
         }
         let zeros = fused[0].to_dtype(DType::F32)?.eq(0f64)?.to_dtype(DType::F32)?.sum_all()?;
-        assert!(zeros.to_scalar::<f32>()? > 100.0, "about half the outputs are clamped");
+        let clamped = zeros.to_scalar::<f32>()? > 100.0;
+        assert_eq!(clamped, matches!(act, Act::Relu), "{act:?}: about half the outputs clamped by ReLU only");
     }
     Ok(())
 }
@@ -96,7 +111,7 @@ fn fused_fp32_layer_matches_the_f64_reference() -> Result<()> {
     let margin = pre.iter().map(|p| p.abs()).fold(f64::INFINITY, f64::min);
     assert!(margin > 1e-3, "a pre-activation within {margin:e} of 0: pick another seed");
     let dpre: Vec<f64> = pre.iter().zip(&gv).map(|(&p, &g)| if p > 0.0 { g } else { 0.0 }).collect();
-    let [y, dx, dw, db] = run(&model, &x, &g, true)?;
+    let [y, dx, dw, db] = run(&model, &x, &g, Act::Relu, true)?;
     let gamma = |k: usize| k as f64 * 2f64.powi(-24) * 1.01;
     let check = |what: &str, got: &Tensor, want: &dyn Fn(usize) -> (f64, f64), k: usize| -> Result<()> {
         for (i, got) in f64s(got)?.into_iter().enumerate() {
