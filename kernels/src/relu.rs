@@ -17,6 +17,22 @@ const CHUNK: usize = 16 * 1024;
 /// Floats widened, computed and narrowed at a time (stack buffers).
 const BLOCK: usize = 256;
 
+/// `y = relu(x)`, `y` in `x`'s dtype, in one pass.
+///
+/// # Panics
+/// If the lengths or the dtypes differ.
+pub fn forward(x: GradSlice<'_>, y: GradSliceMut<'_>) {
+    assert_eq!(x.len(), y.len(), "relu: x and y lengths");
+    match (x, y) {
+        (GradSlice::F32(x), GradSliceMut::F32(y)) => {
+            y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| clamp_into(x, y));
+        }
+        (GradSlice::F16(x), GradSliceMut::F16(y)) => map(x, y),
+        (GradSlice::Bf16(x), GradSliceMut::Bf16(y)) => map(x, y),
+        (x, y) => panic!("relu: x is {:?} but y is {:?}", x.dtype(), y.dtype()),
+    }
+}
+
 /// `y = relu(y)` in place.
 pub fn forward_in_place(y: GradSliceMut<'_>) {
     match y {
@@ -65,6 +81,18 @@ fn in_place<T: Float>(y: &mut [T]) {
     });
 }
 
+fn map<T: Float>(x: &[T], y: &mut [T]) {
+    y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
+        let mut wide = [0f32; BLOCK];
+        for (y, x) in y.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
+            let wide = &mut wide[..x.len()];
+            T::widen(x, wide);
+            clamp_block(wide);
+            T::narrow(wide, y);
+        }
+    });
+}
+
 fn masked<Y: Float, G: Float>(y: &[Y], dy: &[G], dx: &mut [G]) {
     dx.par_chunks_mut(CHUNK).zip(y.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK))).for_each(|(dx, (y, dy))| {
         let (mut out, mut grad, mut wide) = ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
@@ -88,6 +116,18 @@ widest_vectors! {
 fn clamp_any(x: &mut [f32]) {
     for x in x {
         *x = if *x < 0.0 { 0.0 } else { *x };
+    }
+}
+
+widest_vectors! {
+    /// `y = relu(x)` for a block.
+    fn clamp_into(x: &[f32], y: &mut [f32]) => clamp_into_any;
+}
+
+#[inline(always)]
+fn clamp_into_any(x: &[f32], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = if x < 0.0 { 0.0 } else { x };
     }
 }
 
@@ -145,6 +185,9 @@ mod tests {
             let x = inputs(n);
             let mut y = x.clone();
             forward_in_place(GradSliceMut::F32(&mut y));
+            let mut fresh = vec![f32::NAN; n];
+            forward(GradSlice::F32(&x), GradSliceMut::F32(&mut fresh));
+            assert!(y.iter().zip(&fresh).all(|(a, b)| a.to_bits() == b.to_bits()), "n {n}: forward");
             let dy: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
             let mut dx = vec![f32::NAN; n];
             backward(GradSlice::F32(&y), GradSlice::F32(&dy), GradSliceMut::F32(&mut dx));
@@ -167,6 +210,11 @@ mod tests {
         let (mut yb, mut yh) = (xb.clone(), xh.clone());
         forward_in_place(GradSliceMut::Bf16(&mut yb));
         forward_in_place(GradSliceMut::F16(&mut yh));
+        let (mut fb, mut fh) = (vec![bf16::NAN; n], vec![f16::NAN; n]);
+        forward(GradSlice::Bf16(&xb), GradSliceMut::Bf16(&mut fb));
+        forward(GradSlice::F16(&xh), GradSliceMut::F16(&mut fh));
+        assert!(yb.iter().zip(&fb).all(|(a, b)| a.to_bits() == b.to_bits()), "bf16 forward");
+        assert!(yh.iter().zip(&fh).all(|(a, b)| a.to_bits() == b.to_bits()), "f16 forward");
         for i in 0..n {
             assert_eq!(yb[i].to_bits(), bf16::from_f32(relu(xb[i].to_f32())).to_bits(), "bf16 [{i}]");
             assert_eq!(yh[i].to_bits(), f16::from_f32(relu(xh[i].to_f32())).to_bits(), "f16 [{i}]");

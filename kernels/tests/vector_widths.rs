@@ -66,9 +66,9 @@ fn outputs() -> Vec<Vec<u32>> {
     gelu::backward(GradSlice::Bf16(&xb), GradSlice::F16(&dyh), GradSliceMut::Bf16(&mut dgb));
     out.push(g.iter().chain(&dg).map(|v| v.to_bits()).collect());
     out.push(gb.iter().chain(&dgb).map(|v| u32::from(v.to_bits())).collect());
-    // ReLU in place and its masked gradient, f32 and bf16 with an f16 gradient.
-    let (mut r, mut dr) = (x.clone(), vec![0f32; x.len()]);
-    relu::forward_in_place(GradSliceMut::F32(&mut r));
+    // ReLU (f32 into a new buffer, bf16 in place) and its masked gradient, bf16's with an f16 one.
+    let (mut r, mut dr) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+    relu::forward(GradSlice::F32(&x), GradSliceMut::F32(&mut r));
     relu::backward(GradSlice::F32(&r), GradSlice::F32(&dy), GradSliceMut::F32(&mut dr));
     let (mut rb, mut drh) = (xb.clone(), vec![f16::ZERO; x.len()]);
     relu::forward_in_place(GradSliceMut::Bf16(&mut rb));

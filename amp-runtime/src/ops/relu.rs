@@ -8,7 +8,6 @@
 //! clamps in place and the backward masks the gradient by the output in one pass
 //! ([`amp_kernels::relu`]): PyTorch's convention, slope 0 at 0, a NaN kept in the forward.
 
-use amp_kernels::GradSlice;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::elementwise::{elements, new_storage};
@@ -63,12 +62,8 @@ impl CustomOp1 for Relu {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let mut y = match elements(storage, layout)? {
-            GradSlice::F32(x) => CpuStorage::F32(x.to_vec()),
-            GradSlice::F16(x) => CpuStorage::F16(x.to_vec()),
-            GradSlice::Bf16(x) => CpuStorage::BF16(x.to_vec()),
-        };
-        relu_in_place(&mut y)?;
+        let x = elements(storage, layout)?;
+        let y = new_storage(x.dtype(), x.len(), |y| amp_kernels::relu::forward(x, y));
         Ok((y, layout.shape().clone()))
     }
 
