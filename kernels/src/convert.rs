@@ -45,6 +45,16 @@ pub fn narrow_with(isa: Isa, src: &[f32], dst: HalfSliceMut<'_>) {
     par::run(One(Narrow { src, dst }), &Convert(Backend::new(isa)));
 }
 
+/// [`widen`] of one block on the calling thread, for loops inside other kernels.
+pub(crate) fn widen_block<T: Element>(src: &[T], dst: &mut [f32]) {
+    widen_piece(Backend::new(Isa::detect()), src, dst);
+}
+
+/// [`narrow`] of one block on the calling thread, for loops inside other kernels.
+pub(crate) fn narrow_block<T: Element>(src: &[f32], dst: &mut [T]) {
+    narrow_piece(Backend::new(Isa::detect()), src, dst);
+}
+
 struct Widen<'a> {
     src: GradSlice<'a>,
     dst: &'a mut [f32],

@@ -4,7 +4,6 @@
 //! f16 or bf16. These enums let one multi-tensor call take a list mixing dtypes without generics leaking
 //! into the API. Everything is plain borrowed memory: no candle types.
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// Element type of a [`GradSlice`] / [`GradSliceMut`] / [`HalfSliceMut`].
@@ -299,8 +298,9 @@ impl<'a> crate::par::Tensors for &[GradSlice<'a>] {
     }
 }
 
-/// A stored float element, widened to f32 and narrowed back a block at a time (`half`'s slice
-/// conversions: exact widening, round-to-nearest-even narrowing, F16C where the CPU has it).
+/// A stored float element, widened to f32 and narrowed back a block at a time (exact widening,
+/// round-to-nearest-even narrowing as `half` does, in AVX2 / F16C vectors where the CPU has them:
+/// [`crate::convert`]'s kernels, not `half`'s slice conversions, which convert bf16 one value at a time).
 pub(crate) trait Float: Copy + Default + Send + Sync {
     fn widen(src: &[Self], dst: &mut [f32]);
     fn narrow(src: &[f32], dst: &mut [Self]);
@@ -317,18 +317,18 @@ impl Float for f32 {
 
 impl Float for f16 {
     fn widen(src: &[f16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
+        crate::convert::widen_block(src, dst);
     }
     fn narrow(src: &[f32], dst: &mut [f16]) {
-        dst.convert_from_f32_slice(src);
+        crate::convert::narrow_block(src, dst);
     }
 }
 
 impl Float for bf16 {
     fn widen(src: &[bf16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
+        crate::convert::widen_block(src, dst);
     }
     fn narrow(src: &[f32], dst: &mut [bf16]) {
-        dst.convert_from_f32_slice(src);
+        crate::convert::narrow_block(src, dst);
     }
 }

@@ -63,6 +63,18 @@ impl Round<'_> {
         out
     }
 
+    /// Times `f` as the round's next case, unless `f` returns a time of its own in seconds, which is
+    /// kept instead: a case that runs in another process times itself there, leaving the round trip out.
+    pub fn time_unless_reported(&mut self, f: impl FnOnce() -> Option<f64>) {
+        let start = Instant::now();
+        let reported = f();
+        let seconds = reported.unwrap_or_else(|| start.elapsed().as_secs_f64());
+        if self.keep {
+            self.harness.seconds[self.next_case].push(seconds);
+        }
+        self.next_case += 1;
+    }
+
     /// Skips the round's next case (a slow case timed only every few rounds).
     pub fn skip(&mut self) {
         self.next_case += 1;
@@ -97,6 +109,11 @@ mod tests {
             r.time(|| ());
         }
         assert_eq!([0, 1, 2].map(|c| harness.seconds(c).len()), [3, 2, 3]);
+        let mut r = harness.round();
+        r.time_unless_reported(|| Some(42.0));
+        r.time_unless_reported(|| None);
+        assert_eq!(harness.seconds(0).last(), Some(&42.0), "a reported time is kept as it is");
+        assert!(harness.seconds(1).last().is_some_and(|&s| s < 1.0), "an unreported one is timed");
         assert!(harness.min_s(0) <= harness.median_s(0));
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert!(median(&[]).is_nan());

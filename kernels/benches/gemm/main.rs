@@ -10,10 +10,13 @@
 //! `dX = dY·W` reads both row-major, `dW = dY^T·X` reads A transposed. amp's bf16 and f16 rows write
 //! bf16 / f16 C (as candle's and gemmkit's half products do); f32 rows write f32.
 //!
-//! Run: `cargo bench -p amp-kernels --bench gemm` (a few minutes; `-- --quick` for squares to 2048).
+//! Run: `cargo bench -p amp-kernels --bench gemm` (a few minutes; `-- --quick` for squares to 2048,
+//! `-- --shape TEXT` for the shapes whose name contains TEXT, e.g. `--shape 2048^3` or `--shape bert`).
+//! `scripts/torch-bench.sh` runs it with PyTorch's bf16 and f32 matmul as two more columns.
 
 mod peak;
 mod timing;
+mod torch;
 
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use candle_core::{DType, Device, Tensor};
@@ -22,6 +25,7 @@ use half::f16;
 
 use peak::Peak;
 use timing::median;
+use torch::{TorchDtype, TorchPeer};
 
 /// How B is read: `Normal` row-major `(k, n)`, `Transposed` a row-major `(n, k)` read as its transpose.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -141,9 +145,18 @@ fn kit<T>(data: &[T], rows: usize, cols: usize, layout: Layout) -> gemmkit::MatR
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let filter = args.iter().position(|a| a == "--shape").map(|i| {
+        args.get(i + 1).cloned().unwrap_or_else(|| panic!("--shape needs the text a shape's name contains"))
+    });
+    let mut shapes = shapes(quick);
+    if let Some(filter) = &filter {
+        shapes.retain(|s| s.name.contains(filter.as_str()));
+        assert!(!shapes.is_empty(), "no shape's name contains {filter:?}");
+    }
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-    pool.install(|| run(quick));
+    pool.install(|| run(shapes));
 }
 
 /// One implementation of the product.
@@ -153,10 +166,11 @@ enum Contender {
     CandleF32,
     CandleBf16,
     GemmkitBf16,
+    Torch(TorchDtype),
 }
 
 impl Contender {
-    fn all() -> Vec<Contender> {
+    fn all(torch: bool) -> Vec<Contender> {
         let mut v = Vec::new();
         for path in [GemmPath::AmxBf16, GemmPath::Avx512Bf16, GemmPath::Avx512, GemmPath::Avx2] {
             if path.is_supported() {
@@ -170,6 +184,9 @@ impl Contender {
             }
         }
         v.extend([Contender::CandleF32, Contender::CandleBf16, Contender::GemmkitBf16]);
+        if torch {
+            v.extend([Contender::Torch(TorchDtype::Bf16), Contender::Torch(TorchDtype::F32)]);
+        }
         v
     }
 
@@ -179,6 +196,8 @@ impl Contender {
             Contender::CandleF32 => "candle f32".into(),
             Contender::CandleBf16 => "candle bf16".into(),
             Contender::GemmkitBf16 => "gemmkit bf16".into(),
+            Contender::Torch(TorchDtype::Bf16) => "torch bf16".into(),
+            Contender::Torch(TorchDtype::F32) => "torch f32".into(),
         }
     }
 
@@ -188,7 +207,9 @@ impl Contender {
         match self {
             Contender::Amp(GemmPath::AmxBf16, _) => Peak::Tile,
             Contender::Amp(path, _) if path.is_bf16_dot() => Peak::Dot,
-            Contender::GemmkitBf16 | Contender::CandleBf16 if GemmPath::Avx512Bf16.is_supported() => {
+            Contender::GemmkitBf16 | Contender::CandleBf16 | Contender::Torch(TorchDtype::Bf16)
+                if GemmPath::Avx512Bf16.is_supported() =>
+            {
                 Peak::Dot
             }
             _ => Peak::Fma,
@@ -196,14 +217,18 @@ impl Contender {
     }
 }
 
-fn run(quick: bool) {
+fn run(shapes: Vec<Shape>) {
     println!("GEMM bench: 2 threads, {}", cpu_line());
     let mut peaks = peak::Peaks::default();
     peaks.measure();
     println!("{peaks}");
-    let contenders = Contender::all();
+    let mut torch = TorchPeer::from_env();
+    if let Some(peer) = &torch {
+        println!("peer: {} on 2 threads, in a child process that times each product itself", peer.version);
+    }
+    let contenders = Contender::all(torch.is_some());
     let mut summary = timing::Summary::default();
-    for s in shapes(quick) {
+    for s in shapes {
         let ops = Operands::new(&s);
         let dims = Dims::new(s.m, s.n, s.k);
         let mut c32 = vec![0.0f32; s.m * s.n];
@@ -213,34 +238,43 @@ fn run(quick: bool) {
             (candle(&ops.a32, s.m, s.k, s.a, DType::F32), candle(&ops.b32, s.k, s.n, s.b, DType::F32));
         let (cabf, cbbf) =
             (candle(&ops.a32, s.m, s.k, s.a, DType::BF16), candle(&ops.b32, s.k, s.n, s.b, DType::BF16));
-        let mut call = |c: Contender| match c {
-            Contender::Amp(path, compute) => {
-                let (a, b, out) = match compute {
-                    Compute::Bf16 => (
-                        view(&ops.abf, s.m, s.k, s.a),
-                        view(&ops.bbf, s.k, s.n, s.b),
-                        MatMut::row_major(&mut cbf[..], s.n),
-                    ),
-                    Compute::F16 => (
-                        view(&ops.a16, s.m, s.k, s.a),
-                        view(&ops.b16, s.k, s.n, s.b),
-                        MatMut::row_major(&mut c16[..], s.n),
-                    ),
-                    Compute::F32 => (
-                        view(&ops.a32, s.m, s.k, s.a),
-                        view(&ops.b32, s.k, s.n, s.b),
-                        MatMut::row_major(&mut c32[..], s.n),
-                    ),
-                };
-                gemm_with(path, dims, a, b, out, compute, Start::Zero).unwrap();
+        if let Some(peer) = &mut torch {
+            peer.shape(&s);
+        }
+        let mut call = |c: Contender| -> Option<f64> {
+            match c {
+                Contender::Amp(path, compute) => {
+                    let (a, b, out) = match compute {
+                        Compute::Bf16 => (
+                            view(&ops.abf, s.m, s.k, s.a),
+                            view(&ops.bbf, s.k, s.n, s.b),
+                            MatMut::row_major(&mut cbf[..], s.n),
+                        ),
+                        Compute::F16 => (
+                            view(&ops.a16, s.m, s.k, s.a),
+                            view(&ops.b16, s.k, s.n, s.b),
+                            MatMut::row_major(&mut c16[..], s.n),
+                        ),
+                        Compute::F32 => (
+                            view(&ops.a32, s.m, s.k, s.a),
+                            view(&ops.b32, s.k, s.n, s.b),
+                            MatMut::row_major(&mut c32[..], s.n),
+                        ),
+                    };
+                    gemm_with(path, dims, a, b, out, compute, Start::Zero).unwrap();
+                }
+                Contender::CandleF32 => drop(ca32.matmul(&cb32).unwrap()),
+                Contender::CandleBf16 => drop(cabf.matmul(&cbbf).unwrap()),
+                Contender::GemmkitBf16 => {
+                    let (a, b) = (kit(&ops.abf, s.m, s.k, s.a), kit(&ops.bbf, s.k, s.n, s.b));
+                    let c = gemmkit::MatMut::from_row_major(&mut cbf[..], s.m, s.n);
+                    gemmkit::gemm(bf16::ONE, a, b, bf16::ZERO, c, gemmkit::Parallelism::Rayon(2));
+                }
+                Contender::Torch(dtype) => {
+                    return Some(torch.as_mut().expect("a torch column has a peer").run(dtype));
+                }
             }
-            Contender::CandleF32 => drop(ca32.matmul(&cb32).unwrap()),
-            Contender::CandleBf16 => drop(cabf.matmul(&cbbf).unwrap()),
-            Contender::GemmkitBf16 => {
-                let (a, b) = (kit(&ops.abf, s.m, s.k, s.a), kit(&ops.bbf, s.k, s.n, s.b));
-                let c = gemmkit::MatMut::from_row_major(&mut cbf[..], s.m, s.n);
-                gemmkit::gemm(bf16::ONE, a, b, bf16::ZERO, c, gemmkit::Parallelism::Rayon(2));
-            }
+            None
         };
         let times = timing::interleaved(contenders.len(), |i| call(contenders[i]), &mut peaks);
         println!("\n{} (m {}, k {}, n {}): {:.2} GFLOP", s.name, s.m, s.k, s.n, dims.flops() / 1e9);

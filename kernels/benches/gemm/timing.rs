@@ -11,14 +11,15 @@ use crate::peak::{Peak, Peaks};
 const BUDGET_S: f64 = 0.6;
 
 /// Times `call(0..n)` round-robin on the shared harness: a warm-up round (dropped) that also sizes the
-/// run, then 3 to 15 rounds (as many as fit the budget), a peak sample before each. Returns every
-/// contender's kept times in seconds.
-pub fn interleaved(n: usize, mut call: impl FnMut(usize), peaks: &mut Peaks) -> Vec<Vec<f64>> {
+/// run, then 3 to 15 rounds (as many as fit the budget), a peak sample before each. A call that returns
+/// a time (a peer in another process, timed there) is kept at that time. Returns every contender's kept
+/// times in seconds.
+pub fn interleaved(n: usize, mut call: impl FnMut(usize) -> Option<f64>, peaks: &mut Peaks) -> Vec<Vec<f64>> {
     let mut harness = Interleaved::new(n, 1);
     let start = Instant::now();
     let mut warm = harness.round();
     for i in 0..n {
-        warm.time(|| call(i));
+        warm.time_unless_reported(|| call(i));
     }
     let slowest_round = start.elapsed().as_secs_f64();
     let rounds = ((BUDGET_S * n as f64 / slowest_round) as usize).clamp(3, 15);
@@ -26,7 +27,7 @@ pub fn interleaved(n: usize, mut call: impl FnMut(usize), peaks: &mut Peaks) -> 
         peaks.measure();
         let mut round = harness.round();
         for i in 0..n {
-            round.time(|| call(i));
+            round.time_unless_reported(|| call(i));
         }
     }
     (0..n).map(|i| harness.seconds(i).to_vec()).collect()
@@ -141,6 +142,24 @@ impl Summary {
             println!("    amp bf16 / amp f32 speed at 2048^3: {:.2}x (goal >= 0.95x)", best_f32 / best_bf16);
             println!("    amp f16 / amp f32 speed at 2048^3: {:.2}x (goal >= 0.95x)", best_f32 / best_f16);
             println!("    amp f32 / candle f32 at 2048^3: {:.2}x (goal >= 1x)", candle / best_f32);
+        }
+        if let Some(torch) = find(rows, "torch bf16") {
+            println!("  PyTorch (a peer column):");
+            println!("    amp bf16 / torch bf16 at 2048^3: {:.2}x", torch / best_bf16);
+            let mut ahead = 0;
+            for (shape, _, rows) in &self.shapes {
+                if let (Some(ours), Some(torch)) = (find(rows, "amp bf16"), find(rows, "torch bf16")) {
+                    if ours < torch {
+                        ahead += 1;
+                    } else {
+                        println!("    behind torch bf16 on {shape}: {:.2}x of its speed", torch / ours);
+                    }
+                }
+            }
+            println!(
+                "    amp bf16 ahead of torch bf16 on {ahead} of {} shapes (goal: all)",
+                self.shapes.len()
+            );
         }
     }
 }
