@@ -343,6 +343,29 @@ fn half_output_is_the_f32_result_rounded_once() {
 }
 
 #[test]
+fn a_bias_row_into_half_output_is_the_f32_result_rounded_once() {
+    let mut rng = Rng(21);
+    for out in [Dtype::F16, Dtype::Bf16] {
+        for case in edge_cases(Compute::Bf16, out, false) {
+            let x = inputs(&case, &mut rng, -4, 4);
+            let Dims { batch, m, n, .. } = case.dims;
+            let bias = rng.vec(n, -2, 2);
+            for path in GemmPath::supported() {
+                let product = |dtype: Dtype| {
+                    let mut c = Owned::new(dtype, &vec![f32::NAN; batch * m * n]);
+                    let view = MatMut { data: c.view_mut(), row_stride: n, batch_stride: m * n };
+                    let (a, b) = (x.a.view(), x.b.view());
+                    gemm_with(path, case.dims, a, b, view, case.compute, Start::Bias(&bias)).unwrap();
+                    c.to_f32()
+                };
+                let rounded = Owned::new(out, &product(Dtype::F32)).to_f32();
+                assert_same(&format!("{path} {case:?}"), &product(out), &rounded);
+            }
+        }
+    }
+}
+
+#[test]
 fn k_zero_writes_zeros_or_leaves_c_when_accumulating() {
     for path in GemmPath::supported() {
         for accumulate in [false, true] {
@@ -366,6 +389,28 @@ fn k_zero_writes_zeros_or_leaves_c_when_accumulating() {
             let (a, b) = (MatRef::row_major(&a[..], 0), MatRef::row_major(&b[..], 3));
             gemm_with(path, dims, a, b, out, Compute::Bf16, Start::Bias(&[1.0, 2.0, 3.0])).unwrap();
             assert_eq!(c, [1.0, 2.0, 3.0, 1.0, 2.0, 3.0], "{path}: k = 0 leaves the bias");
+        }
+    }
+}
+
+#[test]
+fn k_zero_into_half_output_writes_the_start_rounded() {
+    let (a, b) = (vec![0.0f32; 0], vec![0.0f32; 0]);
+    let dims = Dims::new(2, 3, 0);
+    for path in GemmPath::supported() {
+        for out in [Dtype::F16, Dtype::Bf16] {
+            for (start, want) in [
+                (Start::Zero, [0.0; 3]),
+                (Start::Output, [5.0; 3]),
+                (Start::Bias(&[1.0, 2.0, 1.0e-3]), [1.0, 2.0, 1.0e-3]),
+            ] {
+                let mut c = Owned::new(out, &[5.0; 6]);
+                let view = MatMut { data: c.view_mut(), row_stride: 3, batch_stride: 6 };
+                let (a, b) = (MatRef::row_major(&a[..], 0), MatRef::row_major(&b[..], 3));
+                gemm_with(path, dims, a, b, view, Compute::Bf16, start).unwrap();
+                let want = Owned::new(out, &[want, want].concat()).to_f32();
+                assert_same(&format!("{path} {out:?} {start:?}"), &c.to_f32(), &want);
+            }
         }
     }
 }

@@ -21,7 +21,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::layout::{Dims, MatMut, MatRef};
-use super::micro::{self, Micro, MAX_TILE};
+use super::micro::{self, HalfC, Micro, TileFrom, MAX_TILE};
 use super::pack::{self, Lines, PackInto};
 use super::prefetch;
 use super::{Compute, GemmPath, Start};
@@ -272,7 +272,8 @@ impl Job<'_> {
                     Start::Output => TileStart::C,
                     Start::Bias(bias) => TileStart::Row(&bias[blk.col..blk.col + blk.cols]),
                 };
-                self.sweep(micro, blk, steps, a_packed, b_packed, c.add(origin), out.row_stride, start);
+                let c = (c.add(origin), out.row_stride);
+                self.sweep::<M, bf16>(micro, blk, steps, (a_packed, b_packed), c, start, None);
             },
             Ptr::F16(c) => {
                 self.through_scratch(micro, blk, steps, a_packed, b_packed, c.wrapping_add(origin))
@@ -283,8 +284,10 @@ impl Job<'_> {
         }
     }
 
-    /// A half-precision block: summed in f32 scratch, rounded into C once.
-    fn through_scratch<M: Micro, H: Float>(
+    /// A half-precision block: each tile's sums are rounded into C once, after its last k-block; a
+    /// product of more than one k-block keeps the partial sums of the earlier ones in an f32 scratch
+    /// block (per worker thread), as does a product that adds to C (widened into it first).
+    fn through_scratch<M: Micro, H: Float + HalfC>(
         &self,
         micro: M,
         blk: Block,
@@ -294,62 +297,57 @@ impl Job<'_> {
         c: *mut H,
     ) {
         let ldc = self.out.row_stride;
+        if steps == 0 {
+            // C is its start: zero, C itself, or the bias, rounded.
+            let start = match self.start {
+                Start::Output => return,
+                Start::Zero => vec![0.0; blk.cols],
+                Start::Bias(bias) => bias[blk.col..blk.col + blk.cols].to_vec(),
+            };
+            for r in 0..blk.rows {
+                // SAFETY: row r of the block lies inside C and belongs to this block only.
+                unsafe { H::narrow_to(&start, c.add(r * ldc)) };
+            }
+            return;
+        }
         let mut scratch_vec = SCRATCH.take();
         let scratch = cache_aligned(&mut scratch_vec, blk.rows * blk.cols);
-        for (r, row) in scratch.chunks_exact_mut(blk.cols).enumerate() {
-            match self.start {
-                Start::Zero => {}
-                // SAFETY: row r of the block lies inside C and belongs to this block only.
-                Start::Output => {
-                    H::widen(unsafe { std::slice::from_raw_parts(c.add(r * ldc), blk.cols) }, row)
+        let start = match self.start {
+            Start::Zero => TileStart::Zero,
+            Start::Output => {
+                for (r, row) in scratch.chunks_exact_mut(blk.cols).enumerate() {
+                    // SAFETY: as above.
+                    H::widen(unsafe { std::slice::from_raw_parts(c.add(r * ldc), blk.cols) }, row);
                 }
-                Start::Bias(bias) => row.copy_from_slice(&bias[blk.col..blk.col + blk.cols]),
+                TileStart::C
             }
-        }
-        // SAFETY: the scratch holds `rows x cols` floats at distance `cols`.
+            Start::Bias(bias) => TileStart::Row(&bias[blk.col..blk.col + blk.cols]),
+        };
+        // SAFETY: the scratch holds `rows x cols` floats at distance `cols`; C's block as above.
         unsafe {
-            self.sweep(
-                micro,
-                blk,
-                steps,
-                a_packed,
-                b_packed,
-                scratch.as_mut_ptr(),
-                blk.cols,
-                if matches!(self.start, Start::Zero) { TileStart::Zero } else { TileStart::C },
-            );
-        }
-        for (r, row) in scratch.chunks_exact(blk.cols).enumerate() {
-            // Rounded through a stack chunk and copied raw: C may be uninitialised memory (`run_new`).
-            let mut rounded = [H::default(); 256];
-            for (i, part) in row.chunks(rounded.len()).enumerate() {
-                H::narrow(part, &mut rounded[..part.len()]);
-                // SAFETY: as above.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(rounded.as_ptr(), c.add(r * ldc + i * 256), part.len());
-                }
-            }
+            let scratch = (scratch.as_mut_ptr(), blk.cols);
+            self.sweep(micro, blk, steps, (a_packed, b_packed), scratch, start, Some((c, ldc)));
         }
         SCRATCH.set(scratch_vec);
     }
 
     /// Every tile of the block, k-block by k-block, into f32 `c` (the block's origin, rows `ldc` apart),
-    /// starting from `start`.
+    /// starting from `start`; with `half` (the block's origin in half-precision C and its row stride),
+    /// each tile's last k-block is rounded into `half` instead, `c` holding the earlier k-blocks' sums.
     ///
     /// # Safety
-    /// `c` is valid for the block's `rows x cols` floats at distance `ldc`; a `TileStart::Row` holds
-    /// the block's `cols` floats.
+    /// `c` is valid for the block's `rows x cols` floats at distance `ldc`, and `half` for its `rows x
+    /// cols` elements at its distance; a `TileStart::Row` holds the block's `cols` floats.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn sweep<M: Micro>(
+    unsafe fn sweep<M: Micro, H: HalfC>(
         &self,
         micro: M,
         blk: Block,
         steps: usize,
-        a_packed: &[M::Packed],
-        b_packed: &[M::Packed],
-        c: *mut f32,
-        ldc: usize,
+        (a_packed, b_packed): (&[M::Packed], &[M::Packed]),
+        (c, ldc): (*mut f32, usize),
         start: TileStart<'_>,
+        half: Option<(*mut H, usize)>,
     ) {
         if steps == 0 {
             for r in 0..blk.rows {
@@ -407,12 +405,33 @@ impl Job<'_> {
                     unsafe {
                         let tile = c.add(ip * M::B.mr * ldc + jp * M::B.nr);
                         let row = row.map(|row| &row[jp * M::B.nr..jp * M::B.nr + cols]);
-                        match row {
-                            _ if rows != M::B.mr || cols != M::B.nr => {
-                                edge_tile(micro, kc, a, b, tile, ldc, (rows, cols), load, row)
+                        let full = rows == M::B.mr && cols == M::B.nr;
+                        match half {
+                            Some((out, ldo)) if k0 + kc == steps => {
+                                let out = (out.add(ip * M::B.mr * ldo + jp * M::B.nr), ldo);
+                                let from = match row {
+                                    Some(row) => TileFrom::Row(row.as_ptr()),
+                                    None if load => TileFrom::Tile,
+                                    None => TileFrom::Zero,
+                                };
+                                if full {
+                                    micro.tile_to_half(kc, a, b, (tile, ldc), from, out);
+                                } else {
+                                    edge_tile(micro, kc, a, b, (tile, ldc), (rows, cols), from, Some(out));
+                                }
                             }
-                            Some(row) => micro.tile_from_row(kc, a, b, tile, ldc, row.as_ptr()),
-                            None => micro.tile(kc, a, b, tile, ldc, load),
+                            _ if !full => {
+                                let from = match row {
+                                    Some(row) => TileFrom::Row(row.as_ptr()),
+                                    None if load => TileFrom::Tile,
+                                    None => TileFrom::Zero,
+                                };
+                                edge_tile::<M, H>(micro, kc, a, b, (tile, ldc), (rows, cols), from, None);
+                            }
+                            _ => match row {
+                                Some(row) => micro.tile_from_row(kc, a, b, tile, ldc, row.as_ptr()),
+                                None => micro.tile(kc, a, b, tile, ldc, load),
+                            },
                         }
                     }
                 }
@@ -465,22 +484,23 @@ fn rows_per_block(m: usize, mr: usize, mc: usize, other: usize, threads: usize) 
     m.div_ceil(m_blocks.max(1)).next_multiple_of(mr).min(mc)
 }
 
-/// A tile cut by C's edge: computed whole in scratch, its present part copied in (or its start row
-/// written into each row) and out.
+/// A tile cut by C's edge: computed whole in a local tile (its present part of `c` copied in, or its
+/// start row written into each row), its present part copied out to `c`, or with `half`, rounded into
+/// half-precision C.
 ///
 /// # Safety
-/// As [`Micro::tile`] for `a` and `b`; `c` valid for `rows x cols` floats at distance `ldc`.
+/// As [`Micro::tile`] for `a` and `b`; `c` valid for `rows x cols` floats at distance `ldc`, `half` for
+/// `rows x cols` elements at its distance; a `TileFrom::Row` holds `cols` floats.
 #[allow(clippy::too_many_arguments)]
-unsafe fn edge_tile<M: Micro>(
+unsafe fn edge_tile<M: Micro, H: HalfC>(
     micro: M,
     kc: usize,
     a: *const M::Packed,
     b: *const M::Packed,
-    c: *mut f32,
-    ldc: usize,
+    (c, ldc): (*mut f32, usize),
     (rows, cols): (usize, usize),
-    load: bool,
-    row: Option<&[f32]>,
+    from: TileFrom,
+    half: Option<(*mut H, usize)>,
 ) {
     /// On a cache line, as the packed panels are ([`cache_aligned`]).
     #[repr(C, align(64))]
@@ -489,18 +509,26 @@ unsafe fn edge_tile<M: Micro>(
     let tmp = &mut tile.0;
     // SAFETY: as the caller guarantees; `tmp` holds MR x NR <= MAX_TILE floats at distance NR.
     unsafe {
-        if let Some(row) = row {
-            for r in 0..rows {
-                tmp[r * M::B.nr..r * M::B.nr + cols].copy_from_slice(row);
+        match from {
+            TileFrom::Zero => {}
+            TileFrom::Tile => {
+                for r in 0..rows {
+                    std::ptr::copy_nonoverlapping(c.add(r * ldc), tmp.as_mut_ptr().add(r * M::B.nr), cols);
+                }
             }
-        } else if load {
-            for r in 0..rows {
-                std::ptr::copy_nonoverlapping(c.add(r * ldc), tmp.as_mut_ptr().add(r * M::B.nr), cols);
+            TileFrom::Row(row) => {
+                for r in 0..rows {
+                    std::ptr::copy_nonoverlapping(row, tmp.as_mut_ptr().add(r * M::B.nr), cols);
+                }
             }
         }
-        micro.tile(kc, a, b, tmp.as_mut_ptr(), M::B.nr, load || row.is_some());
+        micro.tile(kc, a, b, tmp.as_mut_ptr(), M::B.nr, !matches!(from, TileFrom::Zero));
         for r in 0..rows {
-            std::ptr::copy_nonoverlapping(tmp.as_ptr().add(r * M::B.nr), c.add(r * ldc), cols);
+            let sums = &tmp[r * M::B.nr..r * M::B.nr + cols];
+            match half {
+                Some((out, ldo)) => H::narrow_to(sums, out.add(r * ldo)),
+                None => std::ptr::copy_nonoverlapping(sums.as_ptr(), c.add(r * ldc), cols),
+            }
         }
     }
 }

@@ -9,6 +9,8 @@
 //! element of C is one chain of fused multiply-adds in step order, starting from C (when `load`) or from
 //! zero, so kernels with the same step semantics give bit-identical results whatever their tile.
 
+use half::{bf16, f16};
+
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod portable;
@@ -74,6 +76,66 @@ pub(crate) const AMX_32X32: Blocking = Blocking {
     prefetch_next_b: false,
 };
 
+/// Where a tile's sums start.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum TileFrom {
+    /// Zero.
+    Zero,
+    /// The f32 tile at `c` (what earlier k-blocks stored there, or C itself).
+    Tile,
+    /// These `NR` floats (a bias) in every row.
+    Row(*const f32),
+}
+
+/// A half-precision element of C: a tile's sums are rounded to it once, after their last k-block.
+pub(crate) trait HalfC: Copy {
+    /// bf16 (else f16).
+    const BF16: bool;
+
+    /// Rounds `src` into the `src.len()` elements at `dst` as `half`'s `from_f32` does; `dst` need not
+    /// be initialised.
+    ///
+    /// # Safety
+    /// `dst` is valid for writing `src.len()` elements.
+    unsafe fn narrow_to(src: &[f32], dst: *mut Self);
+}
+
+impl HalfC for f16 {
+    const BF16: bool = false;
+
+    unsafe fn narrow_to(src: &[f32], dst: *mut f16) {
+        // SAFETY: the caller's guarantee.
+        unsafe { narrow_to(src, dst) }
+    }
+}
+
+impl HalfC for bf16 {
+    const BF16: bool = true;
+
+    unsafe fn narrow_to(src: &[f32], dst: *mut bf16) {
+        // SAFETY: the caller's guarantee.
+        unsafe { narrow_to(src, dst) }
+    }
+}
+
+/// AVX2 / F16C vectors where the CPU has them, else `half` one value at a time.
+///
+/// # Safety
+/// As [`HalfC::narrow_to`].
+unsafe fn narrow_to<H: HalfC + crate::backend::Element>(src: &[f32], dst: *mut H) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::Isa::Avx2.is_supported() {
+        // SAFETY: the CPU runs AVX2, FMA and F16C; `dst` as the caller guarantees.
+        return unsafe { crate::simd::kernels::narrow_to(src, dst) };
+    }
+    for (i, &x) in src.iter().enumerate() {
+        let mut h = [H::default()];
+        <H as crate::portable::Elem>::narrow(&[x], &mut h);
+        // SAFETY: i < src.len(), as the caller guarantees.
+        unsafe { dst.add(i).write(h[0]) };
+    }
+}
+
 /// A micro-kernel and its blocking. Values of implementing types exist only where the CPU runs them
 /// (their constructors check), which is what makes [`Micro::tile`] callable.
 pub(crate) trait Micro: Copy + Send + Sync {
@@ -119,6 +181,36 @@ pub(crate) trait Micro: Copy + Send + Sync {
                 std::ptr::copy_nonoverlapping(row, c.add(r * ldc), Self::B.nr);
             }
             self.tile(steps, a, b, c, ldc, true);
+        }
+    }
+
+    /// The tile's last k-block into half-precision C: `out[MR x NR] = round(from + A·B)`, each sum
+    /// rounded once. By default the sums are computed into the f32 tile at `c` (which a `TileFrom::Tile`
+    /// start reads) and rounded from there; the zmm kernels round their registers and leave `c` alone.
+    ///
+    /// # Safety
+    /// As [`Micro::tile`] (`c` is valid for reads and writes); `out` is valid for writing `MR` rows of
+    /// `NR` elements `ldo` apart; a `TileFrom::Row` holds `NR` floats.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile_to_half<H: HalfC>(
+        self,
+        steps: usize,
+        a: *const Self::Packed,
+        b: *const Self::Packed,
+        (c, ldc): (*mut f32, usize),
+        from: TileFrom,
+        (out, ldo): (*mut H, usize),
+    ) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            match from {
+                TileFrom::Zero => self.tile(steps, a, b, c, ldc, false),
+                TileFrom::Tile => self.tile(steps, a, b, c, ldc, true),
+                TileFrom::Row(row) => self.tile_from_row(steps, a, b, c, ldc, row),
+            }
+            for r in 0..Self::B.mr {
+                H::narrow_to(std::slice::from_raw_parts(c.add(r * ldc), Self::B.nr), out.add(r * ldo));
+            }
         }
     }
 

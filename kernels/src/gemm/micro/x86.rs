@@ -5,12 +5,15 @@
 //! each of the 6 A values (for `vdpbf16ps`, each 32-bit bf16 pair) against them.
 
 use std::arch::x86_64::{
-    __m256, __m512, __m512bh, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps,
-    _mm256_storeu_ps, _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-    _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
+    __m256, __m256i, __m512, __m512bh, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps,
+    _mm256_setzero_ps, _mm256_storeu_ps, _mm256_storeu_si256, _mm512_add_epi32, _mm512_and_si512,
+    _mm512_castps_si512, _mm512_cmpgt_epu32_mask, _mm512_cvtepi32_epi16, _mm512_cvtps_ph, _mm512_dpbf16_ps,
+    _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_blend_epi32, _mm512_or_si512,
+    _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_srli_epi32, _mm512_storeu_ps,
+    _MM_FROUND_TO_NEAREST_INT,
 };
 
-use super::{Blocking, Micro, F32_6X16, F32_6X64, PAIRS_6X64};
+use super::{Blocking, HalfC, Micro, TileFrom, F32_6X16, F32_6X64, PAIRS_6X64};
 use crate::Isa;
 
 /// f32 FMA on ymm registers, 6 x 16 tiles. Constructible only where AVX2 + FMA run.
@@ -58,8 +61,36 @@ impl Micro for FmaAvx512 {
     const B: Blocking = F32_6X64;
 
     unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
+        let from = if load { TileFrom::Tile } else { TileFrom::Zero };
         // SAFETY: a `FmaAvx512` exists only where AVX-512 runs; pointers as the caller guarantees.
-        unsafe { fma_6x64(steps, a, b, c, ldc, load) }
+        unsafe { fma_6x64(steps, a, b, (c, ldc), from, ZmmOut::F32) }
+    }
+
+    unsafe fn tile_from_row(
+        self,
+        steps: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        row: *const f32,
+    ) {
+        // SAFETY: as above.
+        unsafe { fma_6x64(steps, a, b, (c, ldc), TileFrom::Row(row), ZmmOut::F32) }
+    }
+
+    unsafe fn tile_to_half<H: HalfC>(
+        self,
+        steps: usize,
+        a: *const f32,
+        b: *const f32,
+        c: (*mut f32, usize),
+        from: TileFrom,
+        (out, ldo): (*mut H, usize),
+    ) {
+        let out = ZmmOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
+        // SAFETY: as above.
+        unsafe { fma_6x64(steps, a, b, c, from, out) }
     }
 }
 
@@ -68,9 +99,49 @@ impl Micro for DotAvx512Bf16 {
     const B: Blocking = PAIRS_6X64;
 
     unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
+        let from = if load { TileFrom::Tile } else { TileFrom::Zero };
         // SAFETY: a `DotAvx512Bf16` exists only where AVX512-BF16 runs; pointers as the caller guarantees.
-        unsafe { dot_6x64(steps, a, b, c, ldc, load) }
+        unsafe { dot_6x64(steps, a, b, (c, ldc), from, ZmmOut::F32) }
     }
+
+    unsafe fn tile_from_row(
+        self,
+        steps: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        ldc: usize,
+        row: *const f32,
+    ) {
+        // SAFETY: as above.
+        unsafe { dot_6x64(steps, a, b, (c, ldc), TileFrom::Row(row), ZmmOut::F32) }
+    }
+
+    unsafe fn tile_to_half<H: HalfC>(
+        self,
+        steps: usize,
+        a: *const u32,
+        b: *const u32,
+        c: (*mut f32, usize),
+        from: TileFrom,
+        (out, ldo): (*mut H, usize),
+    ) {
+        let out = ZmmOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
+        // SAFETY: as above.
+        unsafe { dot_6x64(steps, a, b, c, from, out) }
+    }
+}
+
+/// Where a zmm tile's sums go: back to the f32 tile at `c`, or rounded into half-precision C.
+#[derive(Clone, Copy)]
+enum ZmmOut {
+    F32,
+    /// 6 rows of 64 bf16 (`bf16`) or f16 values `ldo` elements apart.
+    Half {
+        ptr: *mut u16,
+        ldo: usize,
+        bf16: bool,
+    },
 }
 
 #[target_feature(enable = "avx2,fma")]
@@ -104,10 +175,17 @@ unsafe fn fma_6x16(steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc:
 }
 
 #[target_feature(enable = "avx512f")]
-unsafe fn fma_6x64(steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
-    // SAFETY (whole body): pointers valid as `Micro::tile` requires.
+unsafe fn fma_6x64(
+    steps: usize,
+    a: *const f32,
+    b: *const f32,
+    (c, ldc): (*mut f32, usize),
+    from: TileFrom,
+    out: ZmmOut,
+) {
+    // SAFETY (whole body): pointers valid as `Micro::tile` / `Micro::tile_to_half` require.
     unsafe {
-        let mut acc = zmm_tile(c, ldc, load);
+        let mut acc = zmm_tile(c, ldc, from);
         for s in 0..steps {
             let (a, b) = (a.add(s * 6), b.add(s * 64));
             let bv: [__m512; 4] = [
@@ -123,16 +201,24 @@ unsafe fn fma_6x64(steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc:
                 }
             }
         }
-        store_zmm_tile(&acc, c, ldc);
+        store_zmm_tile(&acc, c, ldc, out);
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn dot_6x64(steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
-    // SAFETY (whole body): pointers valid as `Micro::tile` requires. A zmm of 16 u32 is a zmm of 32 bf16
-    // (element 2i in the low half of dword i): the transmutes only retype registers.
+unsafe fn dot_6x64(
+    steps: usize,
+    a: *const u32,
+    b: *const u32,
+    (c, ldc): (*mut f32, usize),
+    from: TileFrom,
+    out: ZmmOut,
+) {
+    // SAFETY (whole body): pointers valid as `Micro::tile` / `Micro::tile_to_half` require. A zmm of 16
+    // u32 is a zmm of 32 bf16 (element 2i in the low half of dword i): the transmutes only retype
+    // registers.
     unsafe {
-        let mut acc = zmm_tile(c, ldc, load);
+        let mut acc = zmm_tile(c, ldc, from);
         for s in 0..steps {
             let (a, b) = (a.add(s * 6), b.add(s * 64));
             let bv: [__m512bh; 4] = std::mem::transmute([
@@ -148,41 +234,99 @@ unsafe fn dot_6x64(steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc:
                 }
             }
         }
-        store_zmm_tile(&acc, c, ldc);
+        store_zmm_tile(&acc, c, ldc, out);
     }
 }
 
-/// The 6 x 64 f32 tile of C at `c` (row stride `ldc`) in 24 zmm accumulators: loaded when `load`, else
-/// zeros.
+/// The 6 x 64 tile's starting sums in 24 zmm accumulators: zeros, the f32 tile at `c` (row stride
+/// `ldc`), or a row of 64 floats in every row.
 ///
 /// # Safety
-/// With `load`, `c` must be valid for reads of 6 rows of 64 values `ldc` apart.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn zmm_tile(c: *const f32, ldc: usize, load: bool) -> [[__m512; 4]; 6] {
-    let mut acc = [[_mm512_setzero_ps(); 4]; 6];
-    if load {
-        for (r, row) in acc.iter_mut().enumerate() {
-            for (j, x) in row.iter_mut().enumerate() {
-                // SAFETY: in bounds as the caller guarantees.
-                *x = unsafe { _mm512_loadu_ps(c.add(r * ldc + 16 * j)) };
+/// AVX-512 available (inlined into the kernels, whose target features it takes: the accumulators stay
+/// in registers). With `TileFrom::Tile`, `c` must be valid for reads of 6 rows of 64 values `ldc`
+/// apart; a `TileFrom::Row` holds 64 floats.
+#[inline(always)]
+unsafe fn zmm_tile(c: *const f32, ldc: usize, from: TileFrom) -> [[__m512; 4]; 6] {
+    // SAFETY (whole body): AVX-512 and pointers as the caller guarantees.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 4]; 6];
+        match from {
+            TileFrom::Zero => {}
+            TileFrom::Tile => {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x = _mm512_loadu_ps(c.add(r * ldc + 16 * j));
+                    }
+                }
+            }
+            TileFrom::Row(start) => {
+                for row in &mut acc {
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x = _mm512_loadu_ps(start.add(16 * j));
+                    }
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// Stores 24 zmm accumulators: into the 6 x 64 f32 tile at `c` (row stride `ldc`), or rounded into
+/// half-precision C.
+///
+/// # Safety
+/// AVX-512 available (inlined, as [`zmm_tile`]); the destination is valid for writes of 6 rows of 64
+/// values at its row stride.
+#[inline(always)]
+unsafe fn store_zmm_tile(acc: &[[__m512; 4]; 6], c: *mut f32, ldc: usize, out: ZmmOut) {
+    // One loop per destination (each unrolled whole, so the accumulators stay in registers).
+    // SAFETY (whole body): AVX-512 and bounds as the caller guarantees.
+    unsafe {
+        match out {
+            ZmmOut::F32 => {
+                for (r, row) in acc.iter().enumerate() {
+                    for (j, &x) in row.iter().enumerate() {
+                        _mm512_storeu_ps(c.add(r * ldc + 16 * j), x);
+                    }
+                }
+            }
+            ZmmOut::Half { ptr, ldo, bf16: true } => {
+                for (r, row) in acc.iter().enumerate() {
+                    for (j, &x) in row.iter().enumerate() {
+                        _mm256_storeu_si256(ptr.add(r * ldo + 16 * j).cast::<__m256i>(), bf16_bits(x));
+                    }
+                }
+            }
+            ZmmOut::Half { ptr, ldo, bf16: false } => {
+                for (r, row) in acc.iter().enumerate() {
+                    for (j, &x) in row.iter().enumerate() {
+                        let half = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+                        _mm256_storeu_si256(ptr.add(r * ldo + 16 * j).cast::<__m256i>(), half);
+                    }
+                }
             }
         }
     }
-    acc
 }
 
-/// Stores 24 zmm accumulators into the 6 x 64 f32 tile of C at `c` (row stride `ldc`).
+/// 16 floats rounded to bf16 bits as `half`'s `bf16::from_f32` does (round to nearest even on the bits;
+/// a NaN keeps its sign and top payload bits and is made quiet): the vector form of
+/// `branchless::bf16_bits`.
 ///
 /// # Safety
-/// `c` must be valid for writes of 6 rows of 64 values `ldc` apart.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn store_zmm_tile(acc: &[[__m512; 4]; 6], c: *mut f32, ldc: usize) {
-    for (r, row) in acc.iter().enumerate() {
-        for (j, &x) in row.iter().enumerate() {
-            // SAFETY: in bounds as the caller guarantees.
-            unsafe { _mm512_storeu_ps(c.add(r * ldc + 16 * j), x) };
-        }
+/// AVX-512 available (inlined, as [`zmm_tile`]).
+#[inline(always)]
+unsafe fn bf16_bits(x: __m512) -> __m256i {
+    // SAFETY (whole body): AVX-512, as the caller guarantees.
+    unsafe {
+        let bits = _mm512_castps_si512(x);
+        let high = _mm512_srli_epi32::<16>(bits);
+        let odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+        let rounded =
+            _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))));
+        let magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7F80_0000));
+        let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+        _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet))
     }
 }
