@@ -36,6 +36,8 @@ thread_local! {
     static PACKED: Cell<(Vec<u32>, Vec<u32>)> = const { Cell::new((Vec::new(), Vec::new())) };
     /// A worker's f32 block for half output.
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    /// A worker's B micro-panels of one block and k-block, when blocks pack their own.
+    static BLOCK_B: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
 }
 
 /// Runs a product already validated by `layout::check` and `GemmPath::check`.
@@ -178,10 +180,18 @@ impl Job<'_> {
             return;
         }
         let steps = k.div_ceil(M::B.k_per_step).next_multiple_of(M::B.a_group);
+        let parallel = self.dims.flops() >= PARALLEL_FLOPS;
+        let n_blocks = n.div_ceil(M::B.nc);
+        let threads = if parallel { rayon::current_num_threads() } else { 1 };
+        let mc = rows_per_block(m, M::B.mr, M::B.mc, batch * n_blocks, threads);
+        let m_blocks = m.div_ceil(mc);
+        // One block of rows: each B panel is read by one block only, which packs it itself, a k-block at
+        // a time, into its own cache just before its tiles read it (rather than all of B written out
+        // to memory and read back: a skinny product's B is its whole cost).
+        let b_per_block = m_blocks == 1;
         let (mut a_words, mut b_words) = PACKED.take();
         let a_len = batch * m.div_ceil(M::B.mr) * steps * M::B.mr;
-        let b_len = batch * n.div_ceil(M::B.nr) * steps * M::B.nr;
-        let parallel = self.dims.flops() >= PARALLEL_FLOPS;
+        let b_len = if b_per_block { 0 } else { batch * n.div_ceil(M::B.nr) * steps * M::B.nr };
         {
             let a_packed = M::Packed::from_words(cache_aligned(&mut a_words, a_len));
             let b_packed = M::Packed::from_words(cache_aligned(&mut b_words, b_len));
@@ -189,11 +199,7 @@ impl Job<'_> {
             self.pack(&self.a, a_lines, (M::B.mr, steps, M::B.a_group), a_packed, parallel);
             let b_lines = (n, self.b.col_stride, self.b.row_stride);
             self.pack(&self.b, b_lines, (M::B.nr, steps, 1), b_packed, parallel);
-            let (a_packed, b_packed) = (&*a_packed, &*b_packed);
-            let n_blocks = n.div_ceil(M::B.nc);
-            let threads = if parallel { rayon::current_num_threads() } else { 1 };
-            let mc = rows_per_block(m, M::B.mr, M::B.mc, batch * n_blocks, threads);
-            let m_blocks = m.div_ceil(mc);
+            let (a_packed, b_packed) = (&*a_packed, (&*b_packed, b_per_block));
             // Consecutive blocks share the larger packed operand's panels: rayon hands each thread a
             // contiguous range of blocks, as it did of panels when packing, so each thread mostly reads
             // the panels it packed (from its own L2) and the larger operand is split between threads.
@@ -259,7 +265,7 @@ impl Job<'_> {
         blk: Block,
         steps: usize,
         a_packed: &[M::Packed],
-        b_packed: &[M::Packed],
+        b_packed: BPanels<'_, M::Packed>,
     ) {
         let out = self.out;
         let origin = blk.batch * out.batch_stride + blk.row * out.row_stride + blk.col;
@@ -293,7 +299,7 @@ impl Job<'_> {
         blk: Block,
         steps: usize,
         a_packed: &[M::Packed],
-        b_packed: &[M::Packed],
+        b_packed: BPanels<'_, M::Packed>,
         c: *mut H,
     ) {
         let ldc = self.out.row_stride;
@@ -344,7 +350,7 @@ impl Job<'_> {
         micro: M,
         blk: Block,
         steps: usize,
-        (a_packed, b_packed): (&[M::Packed], &[M::Packed]),
+        (a_packed, (b_packed, b_per_block)): (&[M::Packed], BPanels<'_, M::Packed>),
         (c, ldc): (*mut f32, usize),
         start: TileStart<'_>,
         half: Option<(*mut H, usize)>,
@@ -367,11 +373,22 @@ impl Job<'_> {
         micro.begin();
         let a_panel =
             |p: usize| &a_packed[(blk.batch * a_panels + blk.row / M::B.mr + p) * steps * M::B.mr..];
-        let b_panel =
-            |p: usize| &b_packed[(blk.batch * b_panels + blk.col / M::B.nr + p) * steps * M::B.nr..];
         let (b_tiles, a_tiles) = (blk.cols.div_ceil(M::B.nr), blk.rows.div_ceil(M::B.mr));
+        let mut block_b = if b_per_block { BLOCK_B.take() } else { Vec::new() };
         for k0 in (0..steps).step_by(M::B.kc) {
             let kc = M::B.kc.min(steps - k0);
+            // B micro-panel `p` of this k-block: in the panels packed before the blocks, or in this
+            // block's own, packed now.
+            let (b_base, b_stride, b_skip): (&[M::Packed], usize, usize) = if b_per_block {
+                let words = cache_aligned(&mut block_b, b_tiles * kc * M::B.nr);
+                let own = M::Packed::from_words(words);
+                self.pack_b_block(blk, (k0, kc), M::B.nr, own);
+                (own, kc * M::B.nr, 0)
+            } else {
+                let first = (blk.batch * b_panels + blk.col / M::B.nr) * steps * M::B.nr;
+                (&b_packed[first..], steps * M::B.nr, k0 * M::B.nr)
+            };
+            let b_panel = |p: usize| &b_base[p * b_stride + b_skip..];
             // The first k-block starts from zero, C or the row; later ones from what the first stored.
             let (load, row) = match start {
                 _ if k0 > 0 => (true, None),
@@ -380,16 +397,16 @@ impl Job<'_> {
                 TileStart::Row(row) => (false, Some(row)),
             };
             for jp in 0..b_tiles {
-                let b = b_panel(jp)[k0 * M::B.nr..].as_ptr();
+                let b = b_panel(jp).as_ptr();
                 let cols = M::B.nr.min(blk.cols - jp * M::B.nr);
                 // The B micro-panel the next tiles sweep: into L2 a slice per tile of this one's sweep.
                 let next_b = if !M::B.prefetch_next_b {
                     None
                 } else if jp + 1 < b_tiles {
-                    Some(&b_panel(jp + 1)[k0 * M::B.nr..][..kc * M::B.nr])
-                } else if k0 + kc < steps {
+                    Some(&b_panel(jp + 1)[..kc * M::B.nr])
+                } else if k0 + kc < steps && !b_per_block {
                     let next_kc = M::B.kc.min(steps - k0 - kc);
-                    Some(&b_panel(0)[(k0 + kc) * M::B.nr..][..next_kc * M::B.nr])
+                    Some(&b_panel(0)[kc * M::B.nr..][..next_kc * M::B.nr])
                 } else {
                     None
                 };
@@ -438,8 +455,39 @@ impl Job<'_> {
             }
         }
         micro.end();
+        if b_per_block {
+            BLOCK_B.set(block_b);
+        }
+    }
+
+    /// Packs the block's B micro-panels for steps `k0..k0 + kc` into `dst` (`[panel][kc][nr]`).
+    fn pack_b_block<P: PackInto>(&self, blk: Block, (k0, kc): (usize, usize), nr: usize, dst: &mut [P]) {
+        let op = &self.b;
+        let k_start = k0 * P::K_PER_STEP;
+        // Past the last `k` (steps padded to a group) nothing is read: the panel is all padding.
+        let k = self.dims.k.saturating_sub(k_start).min(kc * P::K_PER_STEP);
+        for (p, panel) in dst.chunks_exact_mut(kc * nr).enumerate() {
+            let col = blk.col + p * nr;
+            let base = if k == 0 {
+                0
+            } else {
+                blk.batch * op.batch_stride + col * op.col_stride + k_start * op.row_stride
+            };
+            let count = nr.min(self.dims.n - col);
+            let lines =
+                Lines { base, line_stride: op.col_stride, k_stride: op.row_stride, count, k, steps: kc };
+            match op.data {
+                GradSlice::F32(s) => pack::pack_panel(s, lines, nr, 1, self.compute, panel),
+                GradSlice::F16(s) => pack::pack_panel(s, lines, nr, 1, self.compute, panel),
+                GradSlice::Bf16(s) => pack::pack_panel(s, lines, nr, 1, self.compute, panel),
+            }
+        }
     }
 }
+
+/// A block's source of B micro-panels: the panels packed before the blocks, or (`true`) none, the
+/// block packing its own a k-block at a time.
+type BPanels<'a, P> = (&'a [P], bool);
 
 /// `len` elements of `words` (4-byte packed words, or f32 scratch) that start on a cache line,
 /// `words` grown as needed (keeping its memory for the next product).

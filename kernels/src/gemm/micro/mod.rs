@@ -140,7 +140,7 @@ unsafe fn narrow_to<H: HalfC + crate::backend::Element>(src: &[f32], dst: *mut H
 /// (their constructors check), which is what makes [`Micro::tile`] callable.
 pub(crate) trait Micro: Copy + Send + Sync {
     /// Packed element: `f32`, or `u32` holding a bf16 pair.
-    type Packed: Copy + Default + Send + Sync;
+    type Packed: super::pack::PackInto;
     /// Tile and blocking.
     const B: Blocking;
 
