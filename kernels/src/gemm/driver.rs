@@ -2,18 +2,21 @@
 //!
 //! 1. Both operands are packed once, every panel of every batch in parallel, into buffers kept per
 //!    calling thread (they grow to the largest product seen and are reused), each starting on a cache
-//!    line so that no vector or tile row load of a panel straddles two lines.
+//!    line so that no vector or tile row load of a panel straddles two lines. (With one block of rows,
+//!    each block packs its own B panels instead, a k-block at a time, just before reading them.)
 //! 2. C is cut into blocks of `MC x NC`; blocks run in parallel, consecutive ones sharing the larger
 //!    packed operand's panels (so each thread mostly reads what it packed). Inside a block, for each
 //!    k-block of `KC` steps, each B micro-panel (`KC x NR`, L1-sized; AMX's L2-sized) is swept by every
 //!    A micro-panel of the block, while the next B micro-panel is prefetched into L2 (register
 //!    kernels; [`super::prefetch`]).
-//! 3. f32 output is accumulated in place; f16 / bf16 output is accumulated in an f32 scratch block
-//!    (per worker thread) and rounded once at the end, so a half C never holds a partial sum. A block
-//!    starts from zero, from C, or from a bias row ([`Start`]): the AMX kernel loads the row into its
-//!    tiles, the others have it copied into each tile's rows just before its products.
+//! 3. f32 output is accumulated in place; f16 / bf16 output is rounded once, from each tile's sums after
+//!    its last k-block, so a half C never holds a partial sum (earlier k-blocks' sums wait in an f32
+//!    scratch block per worker thread). A block starts from zero, from C, or from a bias row
+//!    ([`Start`]): the AMX and zmm kernels load the row into their tiles, the others have it copied
+//!    into each tile's rows just before its products.
 //!
-//! Every element of C is one FMA chain in `k` order regardless of blocking or thread count.
+//! Every element of C is one FMA chain in `k` order regardless of blocking or thread count. (bf16
+//! products with few rows of A and both operands contiguous along `k` take [`super::skinny`] instead.)
 
 use std::cell::Cell;
 
@@ -24,6 +27,7 @@ use super::layout::{Dims, MatMut, MatRef};
 use super::micro::{self, HalfC, Micro, TileFrom, MAX_TILE};
 use super::pack::{self, Lines, PackInto};
 use super::prefetch;
+use super::skinny;
 use super::{Compute, GemmPath, Start};
 use crate::slices::Float;
 use crate::{GradSlice, GradSliceMut};
@@ -100,6 +104,21 @@ impl NewElement for bf16 {
 
 fn run_job(path: GemmPath, job: Job<'_>) {
     const CHECKED: &str = "GemmPath::check found this path supported";
+    let Dims { batch, m, n, .. } = job.dims;
+    if batch == 0 || m == 0 || n == 0 {
+        return;
+    }
+    if skinny::applies(path, &job) {
+        let parallel = job.dims.flops() >= PARALLEL_FLOPS;
+        match path {
+            #[cfg(target_arch = "x86_64")]
+            GemmPath::Avx512Bf16 => {
+                job.run_skinny(skinny::RowDotsAvx512Bf16::new().expect(CHECKED), parallel)
+            }
+            _ => job.run_skinny(skinny::RowDotsModel, parallel),
+        }
+        return;
+    }
     match path {
         GemmPath::Portable => job.run(micro::FmaPortable),
         GemmPath::Avx512Bf16Model => job.run(micro::DotModel),
@@ -128,10 +147,10 @@ pub(crate) enum Ptr {
 }
 
 #[derive(Clone, Copy)]
-struct Out {
-    ptr: Ptr,
-    row_stride: usize,
-    batch_stride: usize,
+pub(crate) struct Out {
+    pub(crate) ptr: Ptr,
+    pub(crate) row_stride: usize,
+    pub(crate) batch_stride: usize,
 }
 
 // SAFETY: blocks write disjoint elements of C (`layout::check` proved C's elements distinct) and the
@@ -151,13 +170,14 @@ impl Out {
     }
 }
 
-struct Job<'a> {
-    dims: Dims,
-    a: MatRef<'a>,
-    b: MatRef<'a>,
-    out: Out,
-    compute: Compute,
-    start: Start<'a>,
+/// One product: operands, C and its start, validated.
+pub(crate) struct Job<'a> {
+    pub(crate) dims: Dims,
+    pub(crate) a: MatRef<'a>,
+    pub(crate) b: MatRef<'a>,
+    pub(crate) out: Out,
+    pub(crate) compute: Compute,
+    pub(crate) start: Start<'a>,
 }
 
 /// A block of C: batch item, first row and column, and its size.

@@ -14,8 +14,11 @@
 //!   are tested everywhere. f16 always computes through f32: no CPU here multiplies f16 quickly.
 //! - **Structure.** Both operands are packed once per call into panels (reusable per-thread buffers: a
 //!   call allocates only when a product is larger than any before it on that thread), then blocks of C
-//!   run in parallel on the current rayon pool, each through a register-blocked micro-kernel. Every
-//!   element of C is summed in the same order whatever the thread count, so results are deterministic.
+//!   run in parallel on the current rayon pool, each through a register-blocked micro-kernel. bf16
+//!   products with at most 64 rows of A and both operands contiguous along `k` (a Linear's forward on
+//!   a small batch) skip the packing on the `vdpbf16ps` path: each element is a dot product of a row and
+//!   a column where they lie. Every element of C is summed in the same order whatever the thread
+//!   count, so results are deterministic.
 //!
 //! ```
 //! use amp_kernels::gemm::{gemm, Compute, Dims, MatMut, MatRef, Start};
@@ -45,6 +48,7 @@ mod micro;
 mod pack;
 mod path;
 mod prefetch;
+mod skinny;
 
 pub use calibrate::{dot_product_speedup, PeakLoop, DOT_PAYS};
 pub use dpbf16::{dpbf16_lane, dpbf16_pair, tdpbf16_pair};

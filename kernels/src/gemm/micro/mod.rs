@@ -89,8 +89,12 @@ pub(crate) enum TileFrom {
 
 /// A half-precision element of C: a tile's sums are rounded to it once, after their last k-block.
 pub(crate) trait HalfC: Copy {
-    /// bf16 (else f16).
+    /// bf16 (else f16). Read by the x86 kernels, which round in registers.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const BF16: bool;
+
+    /// `x` rounded as `half`'s `from_f32` does.
+    fn round(x: f32) -> Self;
 
     /// Rounds `src` into the `src.len()` elements at `dst` as `half`'s `from_f32` does; `dst` need not
     /// be initialised.
@@ -103,6 +107,10 @@ pub(crate) trait HalfC: Copy {
 impl HalfC for f16 {
     const BF16: bool = false;
 
+    fn round(x: f32) -> f16 {
+        f16::from_f32(x)
+    }
+
     unsafe fn narrow_to(src: &[f32], dst: *mut f16) {
         // SAFETY: the caller's guarantee.
         unsafe { narrow_to(src, dst) }
@@ -111,6 +119,10 @@ impl HalfC for f16 {
 
 impl HalfC for bf16 {
     const BF16: bool = true;
+
+    fn round(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
 
     unsafe fn narrow_to(src: &[f32], dst: *mut bf16) {
         // SAFETY: the caller's guarantee.
@@ -129,10 +141,8 @@ unsafe fn narrow_to<H: HalfC + crate::backend::Element>(src: &[f32], dst: *mut H
         return unsafe { crate::simd::kernels::narrow_to(src, dst) };
     }
     for (i, &x) in src.iter().enumerate() {
-        let mut h = [H::default()];
-        <H as crate::portable::Elem>::narrow(&[x], &mut h);
         // SAFETY: i < src.len(), as the caller guarantees.
-        unsafe { dst.add(i).write(h[0]) };
+        unsafe { dst.add(i).write(H::round(x)) };
     }
 }
 
