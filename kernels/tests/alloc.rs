@@ -1,15 +1,17 @@
 //! Multi-tensor calls make no heap allocation: a counting global allocator watches a multi-tensor
-//! unscale, norm and fused AdamW step over 98 tensors (the shapes of a small transformer).
+//! unscale, norm and fused AdamW step over 98 tensors (the shapes of a small transformer), and GEMMs
+//! after their first call (packing buffers and scratch are kept per thread and reused).
 //!
 //! One test only in this binary: the allocator counts every thread, so nothing else may run meanwhile.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
+use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use amp_kernels::optim::{adam_step, AdamParams, AdamTensor};
 use amp_kernels::unscale::unscale_and_check;
 use amp_kernels::{norm, GradSlice, GradSliceMut, HalfSliceMut};
-use half::f16;
+use half::{bf16, f16};
 
 struct Counting;
 
@@ -62,6 +64,17 @@ fn measure(reps: usize, mut f: impl FnMut()) -> (usize, usize) {
 /// Calls measured per kernel.
 const REPS: usize = 32;
 
+/// Runs `f` until 16 calls in a row allocate nothing (at most 2,000 calls): pools, per-thread buffers
+/// and rayon's deques reach their steady size. A deque grows (2 KiB) the first time work-stealing
+/// queues deep enough, which may take more than a few calls.
+fn warm_up(mut f: impl FnMut()) {
+    for _ in 0..125 {
+        if measure(16, &mut f).0 == 0 {
+            return;
+        }
+    }
+}
+
 #[test]
 fn unscale_norm_and_adam_over_98_tensors_do_not_allocate() {
     let lens = lengths();
@@ -79,9 +92,7 @@ fn unscale_norm_and_adam_over_98_tensors_do_not_allocate() {
     // Warm-up: starts rayon's pool, its threads' deques and thread-locals. A worker's deque grows once
     // (2 KiB) the first time work-stealing queues deep enough, which with optimised kernels happens
     // within the first few calls, not always the first.
-    for _ in 0..16 {
-        assert_eq!(unscale_and_check(&mut gm, 1.0), None);
-    }
+    warm_up(|| assert_eq!(unscale_and_check(&mut gm, 1.0), None));
     let (count, largest) = measure(REPS, || assert_eq!(unscale_and_check(&mut gm, 1.0), None));
     // rayon injects each call from outside the pool into its global queue, whose crossbeam block of
     // 63 slots (~1.5 KiB) is replaced every 63 injections: at most ~1 small allocation per 63 calls.
@@ -116,14 +127,41 @@ fn unscale_norm_and_adam_over_98_tensors_do_not_allocate() {
         "adam from outside the pool: {count} allocs, {largest} B"
     );
 
-    // From a pool thread nothing is injected: exactly zero allocations.
+    // From a pool thread nothing is injected. What may remain is rayon's own: a worker's work-stealing
+    // deque doubles (2,304 B) when a steal pattern queues deeper than any before, which happens now and
+    // then after any warm-up (seen once in 25 runs). Nothing of a tensor's size, nor per call.
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     pool.install(|| {
         // Warm-up, as above.
-        for _ in 0..16 {
-            adam_step(&mut ts, &params, 1.0);
-        }
+        warm_up(|| adam_step(&mut ts, &params, 1.0));
         let (count, largest) = measure(REPS, || adam_step(&mut ts, &params, 1.0));
-        assert_eq!((count, largest), (0, 0), "adam inside the pool");
+        assert!(count <= 2 && largest <= 4096, "adam inside the pool: {count} allocs, {largest} B");
+    });
+    drop(ts);
+
+    // GEMMs: the packed path (parallel blocks, a bias, bf16 C through the f32 scratch of k-blocks) and
+    // the skinny one (f32 A rounded to bf16, B read in place), on the best path and the models.
+    let (m, k, n) = (200, 300, 256);
+    let a: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 - 6.0).collect();
+    let b: Vec<bf16> = (0..k * n).map(|i| bf16::from_f32((i % 7) as f32 - 3.0)).collect();
+    let bias = vec![0.5f32; n];
+    let mut c = vec![bf16::ZERO; m * n];
+    let paths = [GemmPath::choose(Compute::Bf16), GemmPath::Avx512Bf16Model, GemmPath::Portable];
+    pool.install(|| {
+        for path in paths {
+            for rows in [m, 16] {
+                let mut product = || {
+                    let (a, b) = (MatRef::row_major(&a[..rows * k], k), MatRef::transposed(&b[..], k));
+                    let c = MatMut::row_major(&mut c[..rows * n], n);
+                    gemm_with(path, Dims::new(rows, n, k), a, b, c, Compute::Bf16, Start::Bias(&bias))
+                        .unwrap();
+                };
+                warm_up(&mut product);
+                let (count, largest) = measure(4, &mut product);
+                // The smallest buffer a product keeps (the skinny path's rounded A) is 9,600 B.
+                let what = format!("{path} gemm of {rows} x {k} x {n} inside the pool");
+                assert!(count <= 2 && largest <= 4096, "{what}: {count} allocs, {largest} B");
+            }
+        }
     });
 }

@@ -11,6 +11,8 @@ use amp_kernels::timing::median;
 pub struct Peaks {
     bf16: Vec<f64>,
     fma: Vec<f64>,
+    /// The ymm FMA beside the zmm one, where the widest is zmm (candle's f32 kernels are ymm).
+    ymm: Vec<f64>,
     tile: Vec<f64>,
 }
 
@@ -52,6 +54,9 @@ impl Peaks {
         if let Some(g) = fma_loop().and_then(on_two_threads) {
             self.fma.push(g);
         }
+        if fma_loop() == Some(PeakLoop::FmaZmm) {
+            self.ymm.extend(on_two_threads(PeakLoop::FmaYmm));
+        }
         if let Some(g) = on_two_threads(PeakLoop::TileAmx) {
             self.tile.push(g);
         }
@@ -88,7 +93,11 @@ impl fmt::Display for Peaks {
             show(self.of(Peak::Tile)),
             show(self.bf16()),
             show(self.fma())
-        )
+        )?;
+        if !self.ymm.is_empty() {
+            write!(f, " (ymm FMA {:.0} GFLOP/s)", median(&self.ymm))?;
+        }
+        Ok(())
     }
 }
 

@@ -337,7 +337,9 @@ impl Job<'_> {
             return;
         }
         let mut scratch_vec = SCRATCH.take();
-        let scratch = cache_aligned(&mut scratch_vec, blk.rows * blk.cols);
+        // Sized for the largest block at once, so that a worker's buffer grows once, whichever blocks
+        // rayon hands it first.
+        let scratch = &mut cache_aligned(&mut scratch_vec, M::B.mc * M::B.nc)[..blk.rows * blk.cols];
         let start = match self.start {
             Start::Zero => TileStart::Zero,
             Start::Output => {
@@ -400,7 +402,8 @@ impl Job<'_> {
             // B micro-panel `p` of this k-block: in the panels packed before the blocks, or in this
             // block's own, packed now.
             let (b_base, b_stride, b_skip): (&[M::Packed], usize, usize) = if b_per_block {
-                let words = cache_aligned(&mut block_b, b_tiles * kc * M::B.nr);
+                // Sized for the largest block and k-block at once, as the scratch is.
+                let words = &mut cache_aligned(&mut block_b, M::B.nc * M::B.kc)[..b_tiles * kc * M::B.nr];
                 let own = M::Packed::from_words(words);
                 self.pack_b_block(blk, (k0, kc), M::B.nr, own);
                 (own, kc * M::B.nr, 0)

@@ -10,6 +10,8 @@
 //! order with `vdpbf16ps`'s semantics ([`super::dpbf16_pair`]); then the lanes added pairwise (`l` and
 //! `l + 8`, then `+ 4`, `+ 2`, `+ 1`); then the start (C or a bias), if any, added; then C rounded once.
 
+use std::cell::Cell;
+
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -18,6 +20,11 @@ use super::driver::{Job, Ptr};
 use super::{Compute, GemmPath, Start};
 use crate::gemm::pack::Source;
 use crate::GradSlice;
+
+thread_local! {
+    /// A's rows rounded to bf16 (when A is not bf16 already), kept for the calling thread's next product.
+    static ROUNDED_A: Cell<Vec<u16>> = const { Cell::new(Vec::new()) };
+}
 
 /// At most this many rows of A take this path (measured on Zen 4, see [`applies`]).
 pub(crate) const MAX_ROWS: usize = 64;
@@ -201,17 +208,11 @@ impl Job<'_> {
         let GradSlice::Bf16(b) = self.b.data else { unreachable!("applies: B is bf16") };
         // A's rows as bf16 bits, k contiguous: in place when A is bf16 with unit row steps, else rounded
         // into a buffer (A is small: m <= MAX_ROWS rows).
-        let rounded: Vec<u16>;
+        let mut rounded = ROUNDED_A.take();
         let (a_bits, a_row, a_batch): (&[u16], usize, usize) = match self.a.data {
             GradSlice::Bf16(a) => (bf16_bits(a), self.a.row_stride, self.a.batch_stride),
-            GradSlice::F32(a) => {
-                rounded = round_rows(a, self);
-                (&rounded, dims.k, dims.m * dims.k)
-            }
-            GradSlice::F16(a) => {
-                rounded = round_rows(a, self);
-                (&rounded, dims.k, dims.m * dims.k)
-            }
+            GradSlice::F32(a) => (round_rows(a, self, &mut rounded), dims.k, dims.m * dims.k),
+            GradSlice::F16(a) => (round_rows(a, self, &mut rounded), dims.k, dims.m * dims.k),
         };
         let b_bits = bf16_bits(b);
         let tasks = dims.batch * dims.n.div_ceil(TASK_COLS);
@@ -246,6 +247,7 @@ impl Job<'_> {
         } else {
             (0..tasks).for_each(task);
         }
+        ROUNDED_A.set(rounded);
     }
 
     /// C[batch, i, j] = start + `sum`, rounded once to C's type.
@@ -272,17 +274,21 @@ impl Job<'_> {
     }
 }
 
-/// A's rows rounded to bf16 bits, dense (`[batch][m][k]`).
-fn round_rows<S: Source>(a: &[S], job: &Job<'_>) -> Vec<u16> {
+/// A's rows rounded to bf16 bits into `out` (grown as needed, never shrunk), dense (`[batch][m][k]`).
+fn round_rows<'o, S: Source>(a: &[S], job: &Job<'_>, out: &'o mut Vec<u16>) -> &'o [u16] {
     let (dims, op) = (job.dims, &job.a);
-    let mut out = Vec::with_capacity(dims.batch * dims.m * dims.k);
-    for batch in 0..dims.batch {
-        for i in 0..dims.m {
-            let row = &a[batch * op.batch_stride + i * op.row_stride..][..dims.k];
-            out.extend(row.iter().map(|x| x.bf16_bits()));
+    let len = dims.batch * dims.m * dims.k;
+    if out.len() < len {
+        out.resize(len, 0);
+    }
+    for (r, dst) in out[..len].chunks_exact_mut(dims.k).enumerate() {
+        let (batch, i) = (r / dims.m, r % dims.m);
+        let row = &a[batch * op.batch_stride + i * op.row_stride..][..dims.k];
+        for (d, x) in dst.iter_mut().zip(row) {
+            *d = x.bf16_bits();
         }
     }
-    out
+    &out[..len]
 }
 
 fn bf16_bits(s: &[bf16]) -> &[u16] {
