@@ -130,22 +130,7 @@ impl Summary {
             let of_peak = dot.and_then(|r| r.of_peak(*flops, peaks)).unwrap_or(f64::NAN);
             println!("    amp bf16 at 2048^3: {of_peak:.0}% of the measured vdpbf16ps peak (goal >= 85%)");
             println!("    amp f32 / candle f32 at 2048^3: {:.2}x (goal >= 1.5x)", candle / best_f32);
-            let mut ahead = 0;
-            for (shape, _, rows) in &self.shapes {
-                let ours = rows.iter().find(|r| r.name.contains("vdpbf16ps")).map(|r| r.seconds);
-                let kit = find(rows, "gemmkit bf16");
-                if let (Some(ours), Some(kit)) = (ours, kit) {
-                    if ours < kit {
-                        ahead += 1;
-                    } else {
-                        println!("    behind gemmkit on {shape}: {:.2}x of its speed", kit / ours);
-                    }
-                }
-            }
-            println!(
-                "    amp bf16 (vdpbf16ps) ahead of gemmkit bf16 on {ahead} of {} shapes (goal: all)",
-                self.shapes.len()
-            );
+            self.ahead("amp bf16 (vdpbf16ps)", |r| r.name.contains("vdpbf16ps"), "gemmkit bf16");
         } else {
             println!("  AVX2-only CPU:");
             println!("    amp bf16 / amp f32 speed at 2048^3: {:.2}x (goal >= 0.95x)", best_f32 / best_bf16);
@@ -170,20 +155,25 @@ impl Summary {
             let torch = find(rows, "torch bf16").unwrap_or(f64::NAN);
             println!("  PyTorch (a peer column):");
             println!("    amp bf16 / torch bf16 at 2048^3: {:.2}x", torch / best_bf16);
-            let mut ahead = 0;
-            for (shape, _, rows) in &self.shapes {
-                if let (Some(ours), Some(torch)) = (find(rows, "amp bf16"), find(rows, "torch bf16")) {
-                    if ours < torch {
-                        ahead += 1;
-                    } else {
-                        println!("    behind torch bf16 on {shape}: {:.2}x of its speed", torch / ours);
-                    }
+            self.ahead("amp bf16", |r| r.name.starts_with("amp bf16"), "torch bf16");
+        }
+    }
+
+    /// Prints every shape where the first row that is `ours` is not faster than the row named `peer`,
+    /// then on how many shapes it is.
+    fn ahead(&self, label: &str, ours: impl Fn(&Row) -> bool, peer: &str) {
+        let mut ahead = 0;
+        for (shape, _, rows) in &self.shapes {
+            let us = rows.iter().find(|r| ours(r)).map(|r| r.seconds);
+            let them = rows.iter().find(|r| r.name == peer).map(|r| r.seconds);
+            if let (Some(us), Some(them)) = (us, them) {
+                if us < them {
+                    ahead += 1;
+                } else {
+                    println!("    behind {peer} on {shape}: {:.2}x of its speed", them / us);
                 }
             }
-            println!(
-                "    amp bf16 ahead of torch bf16 on {ahead} of {} shapes (goal: all)",
-                self.shapes.len()
-            );
         }
+        println!("    {label} ahead of {peer} on {ahead} of {} shapes (goal: all)", self.shapes.len());
     }
 }

@@ -262,6 +262,10 @@ impl Job<'_> {
         }
         let panels = count.div_ceil(width);
         let compute = self.compute;
+        if line_stride == 1 && group == 1 && width < pack::ACROSS_LINES / 2 {
+            self.pack_across(op, (count, k_stride), (width, steps), dst, parallel);
+            return;
+        }
         let pack_one = |(i, panel): (usize, &mut [P])| {
             let (batch, p) = (i / panels, i % panels);
             let base = batch * op.batch_stride + p * width * line_stride;
@@ -276,6 +280,56 @@ impl Job<'_> {
             dst.par_chunks_mut(panel_len).enumerate().for_each(pack_one);
         } else {
             dst.chunks_mut(panel_len).enumerate().for_each(pack_one);
+        }
+    }
+
+    /// [`Job::pack`] for panels whose lines are contiguous: groups of panels packed together
+    /// ([`pack::pack_panels_across`]), the groups of each batch item in parallel.
+    fn pack_across<P: PackInto>(
+        &self,
+        op: &MatRef<'_>,
+        (count, k_stride): (usize, usize),
+        (width, steps): (usize, usize),
+        dst: &mut [P],
+        parallel: bool,
+    ) {
+        let k = self.dims.k;
+        let panel_len = steps * width;
+        // At most ACROSS_LINES lines a group, and at least 8 groups (when there are panels enough),
+        // so that both threads get work.
+        let per_group = (pack::ACROSS_LINES / width).min(count.div_ceil(width).div_ceil(8)).max(1);
+        let batch_len = count.div_ceil(width) * panel_len;
+        let compute = self.compute;
+        let pack_group = |batch: usize, (g, group): (usize, &mut [P])| {
+            let first = g * per_group * width;
+            let lines = Lines {
+                base: batch * op.batch_stride + first,
+                line_stride: 1,
+                k_stride,
+                count: (count - first).min(per_group * width),
+                k,
+                steps,
+            };
+            match op.data {
+                GradSlice::F32(s) => pack::pack_panels_across(s, lines, width, compute, group),
+                GradSlice::F16(s) => pack::pack_panels_across(s, lines, width, compute, group),
+                GradSlice::Bf16(s) => pack::pack_panels_across(s, lines, width, compute, group),
+            }
+        };
+        let per_batch = |(batch, batch_dst): (usize, &mut [P])| {
+            if parallel {
+                batch_dst
+                    .par_chunks_mut(per_group * panel_len)
+                    .enumerate()
+                    .for_each(|g| pack_group(batch, g));
+            } else {
+                batch_dst.chunks_mut(per_group * panel_len).enumerate().for_each(|g| pack_group(batch, g));
+            }
+        };
+        if parallel {
+            dst.par_chunks_mut(batch_len).enumerate().for_each(per_batch);
+        } else {
+            dst.chunks_mut(batch_len).enumerate().for_each(per_batch);
         }
     }
 
