@@ -275,52 +275,23 @@ fn panels_across<S: Source, P: PackInto>(
 ) {
     // The register kernels' A panels (6 lines) take a version whose copies are of a known size.
     if width == 6 {
-        panels_across_of::<S, P, 6>(src, lines, compute, dst);
+        panels_across_of::<S, P, 6>(src, lines, width, compute, dst);
     } else {
-        panels_across_any(src, lines, width, compute, dst);
+        panels_across_of::<S, P, 0>(src, lines, width, compute, dst);
     }
 }
 
+/// [`panels_across`] for panels of `W` lines, or of `width` lines when `W` is 0.
 #[inline(always)]
 fn panels_across_of<S: Source, P: PackInto, const W: usize>(
-    src: &[S],
-    lines: Lines,
-    compute: Compute,
-    dst: &mut [P],
-) {
-    debug_assert!(lines.line_stride == 1 && lines.count <= ACROSS_LINES);
-    let panel_len = lines.steps * W;
-    let data_steps = lines.k.div_ceil(P::K_PER_STEP);
-    let full = lines.count / W;
-    let mut step = [P::default(); ACROSS_LINES];
-    for s in 0..lines.steps {
-        if s < data_steps {
-            P::across_lines(src, s, lines, compute, &mut step[..lines.count], 1);
-        } else {
-            step.fill(P::default());
-        }
-        for (q, panel) in dst.chunks_exact_mut(panel_len).enumerate() {
-            let out: &mut [P; W] = (&mut panel[s * W..(s + 1) * W]).try_into().expect("W values");
-            if q < full {
-                *out = step[q * W..(q + 1) * W].try_into().expect("W values");
-            } else {
-                let present = lines.count - q * W;
-                out[..present].copy_from_slice(&step[q * W..][..present]);
-                out[present..].fill(P::default());
-            }
-        }
-    }
-}
-
-#[inline(always)]
-fn panels_across_any<S: Source, P: PackInto>(
     src: &[S],
     lines: Lines,
     width: usize,
     compute: Compute,
     dst: &mut [P],
 ) {
-    debug_assert!(lines.line_stride == 1 && lines.count <= ACROSS_LINES);
+    debug_assert!(lines.line_stride == 1 && lines.count <= ACROSS_LINES && (W == 0 || W == width));
+    let width = if W > 0 { W } else { width };
     let panel_len = lines.steps * width;
     let data_steps = lines.k.div_ceil(P::K_PER_STEP);
     let mut step = [P::default(); ACROSS_LINES];
@@ -331,10 +302,14 @@ fn panels_across_any<S: Source, P: PackInto>(
             step.fill(P::default());
         }
         for (q, panel) in dst.chunks_exact_mut(panel_len).enumerate() {
-            let present = width.min(lines.count.saturating_sub(q * width));
             let out = &mut panel[s * width..][..width];
-            out[..present].copy_from_slice(&step[q * width..][..present]);
-            out[present..].fill(P::default());
+            let present = width.min(lines.count.saturating_sub(q * width));
+            if present == width {
+                out.copy_from_slice(&step[q * width..][..width]);
+            } else {
+                out[..present].copy_from_slice(&step[q * width..][..present]);
+                out[present..].fill(P::default());
+            }
         }
     }
 }
