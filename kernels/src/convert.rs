@@ -45,14 +45,15 @@ pub fn narrow_with(isa: Isa, src: &[f32], dst: HalfSliceMut<'_>) {
     par::run(One(Narrow { src, dst }), &Convert(Backend::new(isa)));
 }
 
-/// [`widen`] of one block on the calling thread, for loops inside other kernels.
+/// [`widen`] of one block on the calling thread, for loops inside other kernels (on the conversions'
+/// one x86 path, AVX2 + F16C, where the CPU has it).
 pub(crate) fn widen_block<T: Element>(src: &[T], dst: &mut [f32]) {
-    widen_piece(Backend::new(Isa::detect()), src, dst);
+    widen_piece(Backend::new(Isa::Avx2), src, dst);
 }
 
-/// [`narrow`] of one block on the calling thread, for loops inside other kernels.
+/// [`narrow`] of one block on the calling thread, for loops inside other kernels (as [`widen_block`]).
 pub(crate) fn narrow_block<T: Element>(src: &[f32], dst: &mut [T]) {
-    narrow_piece(Backend::new(Isa::detect()), src, dst);
+    narrow_piece(Backend::new(Isa::Avx2), src, dst);
 }
 
 struct Widen<'a> {

@@ -217,8 +217,10 @@ impl Job<'_> {
             let b_packed = M::Packed::from_words(cache_aligned(&mut b_words, b_len));
             let a_lines = (m, self.a.row_stride, self.a.col_stride);
             self.pack(&self.a, a_lines, (M::B.mr, steps, M::B.a_group), a_packed, parallel);
-            let b_lines = (n, self.b.col_stride, self.b.row_stride);
-            self.pack(&self.b, b_lines, (M::B.nr, steps, 1), b_packed, parallel);
+            if !b_per_block {
+                let b_lines = (n, self.b.col_stride, self.b.row_stride);
+                self.pack(&self.b, b_lines, (M::B.nr, steps, 1), b_packed, parallel);
+            }
             let (a_packed, b_packed) = (&*a_packed, (&*b_packed, b_per_block));
             // Consecutive blocks share the larger packed operand's panels: rayon hands each thread a
             // contiguous range of blocks, as it did of panels when packing, so each thread mostly reads
@@ -379,14 +381,18 @@ impl Job<'_> {
         let ldc = self.out.row_stride;
         if steps == 0 {
             // C is its start: zero, C itself, or the bias, rounded.
-            let start = match self.start {
+            let bias = match self.start {
                 Start::Output => return,
-                Start::Zero => vec![0.0; blk.cols],
-                Start::Bias(bias) => bias[blk.col..blk.col + blk.cols].to_vec(),
+                Start::Zero => None,
+                Start::Bias(bias) => Some(&bias[blk.col..blk.col + blk.cols]),
             };
             for r in 0..blk.rows {
                 // SAFETY: row r of the block lies inside C and belongs to this block only.
-                unsafe { H::narrow_to(&start, c.add(r * ldc)) };
+                let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), blk.cols) };
+                match bias {
+                    None => row.fill(H::default()),
+                    Some(bias) => H::narrow(bias, row),
+                }
             }
             return;
         }
@@ -651,7 +657,7 @@ unsafe fn edge_tile<M: Micro, H: HalfC>(
         for r in 0..rows {
             let sums = &tmp[r * M::B.nr..r * M::B.nr + cols];
             match half {
-                Some((out, ldo)) => H::narrow_to(sums, out.add(r * ldo)),
+                Some((out, ldo)) => H::narrow(sums, std::slice::from_raw_parts_mut(out.add(r * ldo), cols)),
                 None => std::ptr::copy_nonoverlapping(sums.as_ptr(), c.add(r * ldc), cols),
             }
         }

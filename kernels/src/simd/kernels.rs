@@ -96,31 +96,18 @@ pub(crate) unsafe fn widen<T: Elem>(src: &[T], dst: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn narrow<T: Elem>(src: &[f32], dst: &mut [T]) {
     assert_eq!(src.len(), dst.len());
-    // SAFETY: `dst` holds `src.len()` elements.
-    unsafe { narrow_to(src, dst.as_mut_ptr()) }
-}
-
-/// [`narrow`] into the `src.len()` elements at `dst`, which need not be initialised (they are only
-/// written).
-///
-/// # Safety
-/// AVX2, FMA and F16C available; `dst` valid for writing `src.len()` elements.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn narrow_to<T: Elem>(src: &[f32], dst: *mut T) {
     let n = src.len() / W * W;
     for i in (0..n).step_by(W) {
         // SAFETY: i + 8 <= n <= the length of both.
-        unsafe { T::store8(dst.add(i), f32::load8(src.as_ptr().add(i))) };
+        unsafe { T::store8(dst.as_mut_ptr().add(i), f32::load8(src.as_ptr().add(i))) };
     }
     let mut buf = [0f32; W];
     let mut out = [T::default(); W];
     let r = src.len() - n;
     buf[..r].copy_from_slice(&src[n..]);
-    // SAFETY: stack buffers of 8; the last `r` elements of `dst` are in bounds.
-    unsafe {
-        T::store8(out.as_mut_ptr(), f32::load8(buf.as_ptr()));
-        std::ptr::copy_nonoverlapping(out.as_ptr(), dst.add(n), r);
-    }
+    // SAFETY: stack buffers of 8.
+    unsafe { T::store8(out.as_mut_ptr(), f32::load8(buf.as_ptr())) };
+    dst[n..].copy_from_slice(&out[..r]);
 }
 
 /// Whether any element is infinite or NaN, from the raw bits: 32-bit lanes with exponent mask

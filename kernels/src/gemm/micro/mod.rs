@@ -11,6 +11,8 @@
 
 use half::{bf16, f16};
 
+use crate::slices::Float;
+
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod portable;
@@ -87,63 +89,20 @@ pub(crate) enum TileFrom {
     Row(*const f32),
 }
 
-/// A half-precision element of C: a tile's sums are rounded to it once, after their last k-block.
-pub(crate) trait HalfC: Copy {
+/// A half-precision element of C: a tile's sums are rounded to it once, after their last k-block (as
+/// `half`'s `from_f32` does, through [`Float::narrow`]).
+pub(crate) trait HalfC: Float {
     /// bf16 (else f16). Read by the x86 kernels, which round in registers.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const BF16: bool;
-
-    /// `x` rounded as `half`'s `from_f32` does.
-    fn round(x: f32) -> Self;
-
-    /// Rounds `src` into the `src.len()` elements at `dst` as `half`'s `from_f32` does; `dst` need not
-    /// be initialised.
-    ///
-    /// # Safety
-    /// `dst` is valid for writing `src.len()` elements.
-    unsafe fn narrow_to(src: &[f32], dst: *mut Self);
 }
 
 impl HalfC for f16 {
     const BF16: bool = false;
-
-    fn round(x: f32) -> f16 {
-        f16::from_f32(x)
-    }
-
-    unsafe fn narrow_to(src: &[f32], dst: *mut f16) {
-        // SAFETY: the caller's guarantee.
-        unsafe { narrow_to(src, dst) }
-    }
 }
 
 impl HalfC for bf16 {
     const BF16: bool = true;
-
-    fn round(x: f32) -> bf16 {
-        bf16::from_f32(x)
-    }
-
-    unsafe fn narrow_to(src: &[f32], dst: *mut bf16) {
-        // SAFETY: the caller's guarantee.
-        unsafe { narrow_to(src, dst) }
-    }
-}
-
-/// AVX2 / F16C vectors where the CPU has them, else `half` one value at a time.
-///
-/// # Safety
-/// As [`HalfC::narrow_to`].
-unsafe fn narrow_to<H: HalfC + crate::backend::Element>(src: &[f32], dst: *mut H) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::Isa::Avx2.is_supported() {
-        // SAFETY: the CPU runs AVX2, FMA and F16C; `dst` as the caller guarantees.
-        return unsafe { crate::simd::kernels::narrow_to(src, dst) };
-    }
-    for (i, &x) in src.iter().enumerate() {
-        // SAFETY: i < src.len(), as the caller guarantees.
-        unsafe { dst.add(i).write(H::round(x)) };
-    }
 }
 
 /// A micro-kernel and its blocking. Values of implementing types exist only where the CPU runs them
@@ -199,8 +158,9 @@ pub(crate) trait Micro: Copy + Send + Sync {
     /// start reads) and rounded from there; the zmm kernels round their registers and leave `c` alone.
     ///
     /// # Safety
-    /// As [`Micro::tile`] (`c` is valid for reads and writes); `out` is valid for writing `MR` rows of
-    /// `NR` elements `ldo` apart; a `TileFrom::Row` holds `NR` floats.
+    /// As [`Micro::tile`] (`c` is valid for reads and writes); `out` holds `MR` rows of `NR` elements
+    /// `ldo` apart, valid for reads and writes and referenced by nothing else meanwhile; a
+    /// `TileFrom::Row` holds `NR` floats.
     #[allow(clippy::too_many_arguments)]
     unsafe fn tile_to_half<H: HalfC>(
         self,
@@ -219,7 +179,8 @@ pub(crate) trait Micro: Copy + Send + Sync {
                 TileFrom::Row(row) => self.tile_from_row(steps, a, b, c, ldc, row),
             }
             for r in 0..Self::B.mr {
-                H::narrow_to(std::slice::from_raw_parts(c.add(r * ldc), Self::B.nr), out.add(r * ldo));
+                let sums = std::slice::from_raw_parts(c.add(r * ldc), Self::B.nr);
+                H::narrow(sums, std::slice::from_raw_parts_mut(out.add(r * ldo), Self::B.nr));
             }
         }
     }
