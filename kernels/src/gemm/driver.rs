@@ -297,9 +297,11 @@ impl Job<'_> {
     ) {
         let k = self.dims.k;
         let panel_len = steps * width;
-        // At most ACROSS_LINES lines a group, and at least 8 groups (when there are panels enough),
-        // so that both threads get work.
-        let per_group = (pack::ACROSS_LINES / width).min(count.div_ceil(width).div_ceil(8)).max(1);
+        // At most ACROSS_LINES lines a group, and at least 8 groups in the whole product (when there are
+        // panels enough), so that both threads get work; a batch of many items has groups enough at
+        // full length (attention's products: 32 items of 128 lines each made groups of 18 lines).
+        let panels = self.dims.batch * count.div_ceil(width);
+        let per_group = (pack::ACROSS_LINES / width).min(panels.div_ceil(8)).max(1);
         let batch_len = count.div_ceil(width) * panel_len;
         let compute = self.compute;
         let pack_group = |batch: usize, (g, group): (usize, &mut [P])| {

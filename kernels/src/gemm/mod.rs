@@ -49,6 +49,7 @@ mod pack;
 mod path;
 mod prefetch;
 mod skinny;
+mod transpose;
 
 pub use calibrate::{dot_product_speedup, PeakLoop, DOT_PAYS};
 pub use dpbf16::{dpbf16_lane, dpbf16_pair, tdpbf16_pair};

@@ -14,6 +14,7 @@
 
 use half::{bf16, f16};
 
+use super::transpose::transpose;
 use super::Compute;
 use crate::branchless as bits;
 
@@ -117,19 +118,13 @@ impl PackInto for f32 {
         let dst = prepare(lines, width, 1, dst);
         let one = |x: S| x.rounded(compute);
         if lines.k_stride == 1 && lines.line_stride != 1 && width <= MAX_WIDTH {
-            // k contiguous: a block of CHUNK steps at a time, each line's run rounded into a tile
-            // (contiguous: vectorises), then the tile transposed into the panel, step by step.
-            let mut tile = [[0f32; CHUNK]; MAX_WIDTH];
-            for (c, block) in dst.chunks_mut(CHUNK * width).enumerate() {
-                let steps = block.len() / width;
-                for (l, row) in tile[..lines.count].iter_mut().enumerate() {
-                    let run = &src[lines.base + l * lines.line_stride + c * CHUNK..][..steps];
-                    for (out, &x) in row.iter_mut().zip(run) {
-                        *out = one(x);
-                    }
+            // k contiguous: each line's run rounded into a tile (contiguous: vectorises).
+            through_tile(lines, width, dst, |c, l, row| {
+                let run = &src[lines.base + l * lines.line_stride + c * CHUNK..][..row.len()];
+                for (out, &x) in row.iter_mut().zip(run) {
+                    *out = one(x);
                 }
-                transpose(&tile[..lines.count], steps, width, block);
-            }
+            });
         } else if lines.k_stride == 1 && lines.line_stride != 1 {
             for l in 0..lines.count {
                 let line = &src[lines.base + l * lines.line_stride..][..lines.k];
@@ -205,14 +200,43 @@ const MAX_WIDTH: usize = 64;
 /// The largest group of steps [`pack_grouped`] transposes through a tile (the AMX kernel's 16).
 const MAX_GROUP: usize = 16;
 
-/// Writes `tile[l][s]` (line `l`, step `s < steps`) to `block[s * width + l]`: each step's lines
-/// contiguous in the panel. Lines past `tile.len()` are left as they are (zero).
+/// Packs a panel whose lines each hold their steps contiguously (`k` contiguous), a block of [`CHUNK`]
+/// steps at a time: `fill(c, l, row)` writes line `l`'s steps of block `c` into `row` (a run, so its
+/// loop vectorises), then the tile of rows is transposed into the panel step by step. The tile holds
+/// as many lines as the panel (the kernels' widths have tiles of their own size; any other width up to
+/// [`MAX_WIDTH`] uses the largest): a tile of the largest size, zeroed for each 6-line A panel, cost
+/// more than the panel's own bytes.
 #[inline(always)]
-fn transpose<P: Copy>(tile: &[[P; CHUNK]], steps: usize, width: usize, block: &mut [P]) {
-    for (s, row) in block.chunks_exact_mut(width).take(steps).enumerate() {
-        for (out, line) in row.iter_mut().zip(tile) {
-            *out = line[s];
+fn through_tile<P: PackInto>(
+    lines: Lines,
+    width: usize,
+    data: &mut [P],
+    fill: impl FnMut(usize, usize, &mut [P]),
+) {
+    match width {
+        6 => through_tile_of::<P, 6>(lines, width, data, fill),
+        16 => through_tile_of::<P, 16>(lines, width, data, fill),
+        32 => through_tile_of::<P, 32>(lines, width, data, fill),
+        _ => through_tile_of::<P, MAX_WIDTH>(lines, width, data, fill),
+    }
+}
+
+/// [`through_tile`] with a tile of `W >= width` lines.
+#[inline(always)]
+fn through_tile_of<P: PackInto, const W: usize>(
+    lines: Lines,
+    width: usize,
+    data: &mut [P],
+    mut fill: impl FnMut(usize, usize, &mut [P]),
+) {
+    debug_assert!(lines.count <= width && width <= W);
+    let mut tile = [[P::default(); CHUNK]; W];
+    for (c, block) in data.chunks_mut(CHUNK * width).enumerate() {
+        let steps = block.len() / width;
+        for (l, row) in tile[..lines.count].iter_mut().enumerate() {
+            fill(c, l, &mut row[..steps]);
         }
+        transpose(&tile, lines.count, steps, width, block);
     }
 }
 
@@ -351,20 +375,14 @@ impl PackInto for u32 {
         let dst = prepare(lines, width, 2, dst);
         let pairs = lines.k / 2;
         if lines.k_stride == 1 && lines.line_stride != 1 && width <= MAX_WIDTH {
-            // k contiguous: each line's pairs are adjacent elements. A block of CHUNK steps at a time,
-            // each line's run rounded to bf16 bits and paired into a tile (contiguous: vectorises; an
-            // odd last `k` finds its partner zero), then the tile transposed into the panel.
-            let mut tile = [[0u32; CHUNK]; MAX_WIDTH];
-            for (c, block) in dst.chunks_mut(CHUNK * width).enumerate() {
-                let steps = block.len() / width;
+            // k contiguous: each line's pairs are adjacent elements, its run rounded to bf16 bits and
+            // paired into a tile (contiguous: vectorises; an odd last `k` finds its partner zero).
+            through_tile(lines, width, dst, |c, l, row| {
                 let k0 = 2 * c * CHUNK;
-                let ks = (2 * steps).min(lines.k - k0);
-                for (l, row) in tile[..lines.count].iter_mut().enumerate() {
-                    let run = &src[lines.base + l * lines.line_stride + k0..][..ks];
-                    pairs_from_run(run, &mut row[..steps]);
-                }
-                transpose(&tile[..lines.count], steps, width, block);
-            }
+                let run =
+                    &src[lines.base + l * lines.line_stride + k0..][..(2 * row.len()).min(lines.k - k0)];
+                pairs_from_run(run, row);
+            });
         } else if lines.k_stride == 1 && lines.line_stride != 1 {
             for l in 0..lines.count {
                 let line = &src[lines.base + l * lines.line_stride..][..lines.k];
@@ -485,6 +503,8 @@ pub(crate) fn pack_grouped<S: Source, P: PackInto>(
 ) {
     debug_assert_eq!((dst.len(), lines.steps % group), (lines.steps * width, 0));
     let data_steps = lines.k.div_ceil(P::K_PER_STEP);
+    // For the lines-contiguous case below; declared once (zeroing it per group cost more than the group).
+    let mut tile = [[P::default(); MAX_WIDTH]; MAX_GROUP];
     for (g, block) in dst.chunks_exact_mut(width * group).enumerate() {
         let first = g * group;
         let present = data_steps.saturating_sub(first).min(group);
@@ -503,7 +523,6 @@ pub(crate) fn pack_grouped<S: Source, P: PackInto>(
             // Lines contiguous: each step's lines one run of the source, converted into a row of a tile
             // (contiguous: vectorises), then the tile transposed into the group line by line.
             block.fill(P::default());
-            let mut tile = [[P::default(); MAX_WIDTH]; MAX_GROUP];
             for (i, row) in tile[..present].iter_mut().enumerate() {
                 P::across_lines(src, first + i, lines, compute, &mut row[..lines.count], 1);
             }

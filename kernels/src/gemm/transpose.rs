@@ -1,0 +1,196 @@
+//! The packing loops' tile transposed into a panel: `tile[l][s]` (line `l`, step `s`) written to
+//! `block[s * width + l]`, each step's lines contiguous.
+//!
+//! The k-contiguous packing loops ([`super::pack`]) convert each line's run of steps into a row of a
+//! tile (contiguous, so the conversion vectorises), then write the tile into the panel step by step.
+//! Element by element that transposition was about half of the packing's time, and a product's A and
+//! B are both packed this way when both lie contiguous along `k` (a Linear's forward: rows of `x`, and
+//! the weight `(out, in)` read transposed). On AVX-512 the 4-byte elements (f32 values, bf16 pairs)
+//! are moved in zmm registers instead: a 6-line panel (the register kernels' A) 8 steps at a time by
+//! two permutes per 16 elements, a panel of a multiple of 16 lines (their B) in 16 x 16 blocks by the
+//! usual four rounds of shuffles. Only data moves: every version writes the same bits
+//! (`tests/vector_widths.rs` runs the packing capped below AVX-512 and compares).
+
+use super::pack::PackInto;
+
+/// Writes `tile[l][s]` to `block[s * width + l]` for `l < lines` and `s < steps`; the lines from
+/// `lines` to `width` of each step are left as they are.
+///
+/// `tile` holds at least `width` rows, those from `lines` on all zero (the packing's tile starts zeroed
+/// and only its first `lines` rows are written), so the zmm versions may move whole groups of lines.
+#[inline(always)]
+pub(crate) fn transpose<P: PackInto, const CHUNK: usize>(
+    tile: &[[P; CHUNK]],
+    lines: usize,
+    steps: usize,
+    width: usize,
+    block: &mut [P],
+) {
+    debug_assert!(lines <= width && width <= tile.len() && steps <= CHUNK && block.len() >= steps * width);
+    let done = in_registers(tile, steps, width, block);
+    for (s, row) in block.chunks_exact_mut(width).enumerate().take(steps).skip(done) {
+        for (out, line) in row.iter_mut().zip(&tile[..lines]) {
+            *out = line[s];
+        }
+    }
+}
+
+/// The leading steps the zmm versions can do (all of them but a tail), or none; returns how many.
+#[inline(always)]
+fn in_registers<P: PackInto, const CHUNK: usize>(
+    tile: &[[P; CHUNK]],
+    steps: usize,
+    width: usize,
+    block: &mut [P],
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if size_of::<P>() == 4 && crate::vectorise::allows(crate::Isa::Avx512) {
+        let (src, dst) = (tile.as_ptr().cast::<u32>(), block.as_mut_ptr().cast::<u32>());
+        if width == 6 {
+            let done = steps / 8 * 8;
+            // SAFETY: AVX-512 F is available; the tile has at least 6 rows of CHUNK >= `done` words, the
+            // block `done * 6` words; `P` is 4 bytes, every bit pattern valid (`PackInto`).
+            unsafe { x86::six_lines(src, CHUNK, done, dst) };
+            return done;
+        }
+        if width.is_multiple_of(16) {
+            let done = steps / 16 * 16;
+            // SAFETY: as above, with `width` rows and `done * width` words.
+            unsafe { x86::sixteens(src, CHUNK, width, done, dst) };
+            return done;
+        }
+    }
+    let _ = (tile, steps, width, block);
+    0
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Output word `16 q + i` of an 8-step group of a 6-line panel is step `s = j / 6` of line
+    /// `l = j % 6` (`j = 16 q + i`). Lines 0-3 come from the pair of registers holding lines 0 | 1 and
+    /// 2 | 3 (8 steps each), at `8 l + s`; lines 4 and 5 from the third register, at `8 (l - 4) + s`,
+    /// under a mask.
+    const fn six_line_tables() -> ([[u32; 16]; 3], [[u32; 16]; 3], [u16; 3]) {
+        let (mut low, mut high, mut masks) = ([[0u32; 16]; 3], [[0u32; 16]; 3], [0u16; 3]);
+        let mut j = 0;
+        while j < 48 {
+            let (q, i, s, l) = (j / 16, j % 16, (j / 6) as u32, (j % 6) as u32);
+            if l < 4 {
+                low[q][i] = 8 * l + s;
+            } else {
+                high[q][i] = 8 * (l - 4) + s;
+                masks[q] |= 1 << i;
+            }
+            j += 1;
+        }
+        (low, high, masks)
+    }
+
+    const SIX: ([[u32; 16]; 3], [[u32; 16]; 3], [u16; 3]) = six_line_tables();
+
+    /// Two rows of 8 words, `row` words apart from `at`, as the low and high halves of one register.
+    ///
+    /// # Safety
+    /// AVX-512 F; both rows readable.
+    #[inline(always)]
+    unsafe fn two_rows(at: *const u32, row: usize) -> __m512i {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            let low = _mm256_loadu_si256(at.cast());
+            let high = _mm256_loadu_si256(at.add(row).cast());
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high)
+        }
+    }
+
+    /// [`super::transpose`] of a 6-line tile for `steps` (a multiple of 8) steps.
+    ///
+    /// # Safety
+    /// AVX-512 F; `tile` holds 6 rows of at least `steps` words, `row` words apart; `out` is valid for
+    /// writing `6 * steps` words.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn six_lines(tile: *const u32, row: usize, steps: usize, out: *mut u32) {
+        let (low_table, high_table, masks) = SIX;
+        // SAFETY: the tables are 16 words each; rows and output as the caller guarantees.
+        unsafe {
+            let (mut low, mut high) = ([_mm512_setzero_si512(); 3], [_mm512_setzero_si512(); 3]);
+            for q in 0..3 {
+                low[q] = _mm512_loadu_si512(low_table[q].as_ptr().cast());
+                high[q] = _mm512_loadu_si512(high_table[q].as_ptr().cast());
+            }
+            for s0 in (0..steps).step_by(8) {
+                let lines_01 = two_rows(tile.add(s0), row);
+                let lines_23 = two_rows(tile.add(2 * row + s0), row);
+                let lines_45 = two_rows(tile.add(4 * row + s0), row);
+                for q in 0..3 {
+                    let v = _mm512_permutex2var_epi32(lines_01, low[q], lines_23);
+                    let v = _mm512_mask_permutexvar_epi32(v, masks[q], high[q], lines_45);
+                    _mm512_storeu_si512(out.add(6 * s0 + 16 * q).cast(), v);
+                }
+            }
+        }
+    }
+
+    /// [`super::transpose`] of a tile of `width` (a multiple of 16) lines for `steps` (a multiple of 16)
+    /// steps, in 16 x 16 blocks.
+    ///
+    /// # Safety
+    /// AVX-512 F; `tile` holds `width` rows of at least `steps` words, `row` words apart; `out` is valid
+    /// for writing `width * steps` words.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn sixteens(tile: *const u32, row: usize, width: usize, steps: usize, out: *mut u32) {
+        for l0 in (0..width).step_by(16) {
+            for s0 in (0..steps).step_by(16) {
+                // SAFETY: rows l0..l0 + 16 and steps s0..s0 + 16 lie in the tile, and the 16 output rows'
+                // words l0..l0 + 16 in `out`, as the caller guarantees.
+                unsafe {
+                    let mut rows = [_mm512_setzero_si512(); 16];
+                    for (i, r) in rows.iter_mut().enumerate() {
+                        *r = _mm512_loadu_si512(tile.add((l0 + i) * row + s0).cast());
+                    }
+                    let columns = block_16x16(rows);
+                    for (j, column) in columns.into_iter().enumerate() {
+                        _mm512_storeu_si512(out.add((s0 + j) * width + l0).cast(), column);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 16 x 16 transpose of 32-bit words: word `c` of the result's register `r` is word `r` of
+    /// `rows[c]`. 32-bit then 64-bit interleaves within 128-bit lanes (after which lane `k` of register
+    /// `4 i + j` holds word `4 k + j` of rows `4 i .. 4 i + 3`), then two rounds of lane shuffles.
+    #[inline(always)]
+    fn block_16x16(rows: [__m512i; 16]) -> [__m512i; 16] {
+        // SAFETY (every intrinsic below): AVX-512 F, which the `target_feature` callers enable; register
+        // operations only.
+        unsafe {
+            let mut words = [_mm512_setzero_si512(); 16];
+            for i in (0..16).step_by(2) {
+                words[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+                words[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+            }
+            let mut quads = [_mm512_setzero_si512(); 16];
+            for i in (0..16).step_by(4) {
+                quads[i] = _mm512_unpacklo_epi64(words[i], words[i + 2]);
+                quads[i + 1] = _mm512_unpackhi_epi64(words[i], words[i + 2]);
+                quads[i + 2] = _mm512_unpacklo_epi64(words[i + 1], words[i + 3]);
+                quads[i + 3] = _mm512_unpackhi_epi64(words[i + 1], words[i + 3]);
+            }
+            let mut columns = [_mm512_setzero_si512(); 16];
+            for j in 0..4 {
+                // Lanes 0-1 and 2-3 of quads j and 4 + j, and of 8 + j and 12 + j.
+                let low_01 = _mm512_shuffle_i32x4::<0b01_00_01_00>(quads[j], quads[4 + j]);
+                let low_23 = _mm512_shuffle_i32x4::<0b01_00_01_00>(quads[8 + j], quads[12 + j]);
+                let high_01 = _mm512_shuffle_i32x4::<0b11_10_11_10>(quads[j], quads[4 + j]);
+                let high_23 = _mm512_shuffle_i32x4::<0b11_10_11_10>(quads[8 + j], quads[12 + j]);
+                columns[j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(low_01, low_23);
+                columns[4 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(low_01, low_23);
+                columns[8 + j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(high_01, high_23);
+                columns[12 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(high_01, high_23);
+            }
+            columns
+        }
+    }
+}
