@@ -8,7 +8,9 @@
 //!
 //! Layouts are training's: forward `x·W^T` reads the weight `(out, in)` in place (B transposed),
 //! `dX = dY·W` reads both row-major, `dW = dY^T·X` reads A transposed. amp's bf16 and f16 rows write
-//! bf16 / f16 C (as candle's and gemmkit's half products do); f32 rows write f32.
+//! bf16 / f16 C (as candle's and gemmkit's half products do); f32 rows write f32. On an AVX-512 CPU the
+//! AVX2 rows are forced paths, their packing loops capped at AVX2 too (`vectorise::limit_width`), so
+//! that they run what an AVX2-only CPU would.
 //!
 //! Run: `cargo bench -p amp-kernels --bench gemm` (a few minutes; `-- --quick` for squares to 2048,
 //! `-- --shape TEXT` for the shapes whose name contains TEXT, e.g. `--shape 2048^3` or `--shape bert`).
@@ -19,6 +21,7 @@ mod timing;
 mod torch;
 
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
+use amp_kernels::{vectorise, Isa};
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
 use half::f16;
@@ -264,7 +267,13 @@ fn run(shapes: Vec<Shape>) {
                             MatMut::row_major(&mut c32[..], s.n),
                         ),
                     };
+                    // A forced AVX2 path also packs with the AVX2 versions of the loops, as on an
+                    // AVX2-only CPU.
+                    let cap = (path == GemmPath::Avx2).then(|| vectorise::limit_width(Some(Isa::Avx2)));
                     gemm_with(path, dims, a, b, out, compute, Start::Zero).unwrap();
+                    if let Some(previous) = cap {
+                        vectorise::limit_width(previous);
+                    }
                 }
                 Contender::CandleF32 => drop(ca32.matmul(&cb32).unwrap()),
                 Contender::CandleBf16 => drop(cabf.matmul(&cbbf).unwrap()),

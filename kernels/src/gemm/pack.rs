@@ -116,20 +116,14 @@ impl PackInto for f32 {
     #[inline(always)]
     fn pack<S: Source>(src: &[S], lines: Lines, width: usize, compute: Compute, dst: &mut [f32]) {
         let dst = prepare(lines, width, 1, dst);
-        let one = |x: S| x.rounded(compute);
         if lines.k_stride == 1 && lines.line_stride != 1 && width <= MAX_WIDTH {
             // k contiguous: each line's run rounded into a tile (contiguous: vectorises).
-            through_tile(lines, width, dst, |c, l, row| {
-                let run = &src[lines.base + l * lines.line_stride + c * CHUNK..][..row.len()];
-                for (out, &x) in row.iter_mut().zip(run) {
-                    *out = one(x);
-                }
-            });
+            through_tile(src, lines, width, compute, dst);
         } else if lines.k_stride == 1 && lines.line_stride != 1 {
             for l in 0..lines.count {
                 let line = &src[lines.base + l * lines.line_stride..][..lines.k];
                 for (out, &x) in dst[l..].iter_mut().step_by(width).zip(line) {
-                    *out = one(x);
+                    *out = x.rounded(compute);
                 }
             }
         } else if lines.line_stride == 1 {
@@ -137,13 +131,13 @@ impl PackInto for f32 {
             for (s, row) in dst.chunks_exact_mut(width).enumerate() {
                 let run = &src[lines.base + s * lines.k_stride..][..lines.count];
                 for (out, &x) in row.iter_mut().zip(run) {
-                    *out = one(x);
+                    *out = x.rounded(compute);
                 }
             }
         } else {
             for (s, row) in dst.chunks_exact_mut(width).enumerate() {
                 for (l, out) in row[..lines.count].iter_mut().enumerate() {
-                    *out = one(src[lines.base + s * lines.k_stride + l * lines.line_stride]);
+                    *out = src[lines.base + s * lines.k_stride + l * lines.line_stride].rounded(compute);
                 }
             }
         }
@@ -201,40 +195,47 @@ const MAX_WIDTH: usize = 64;
 const MAX_GROUP: usize = 16;
 
 /// Packs a panel whose lines each hold their steps contiguously (`k` contiguous), a block of [`CHUNK`]
-/// steps at a time: `fill(c, l, row)` writes line `l`'s steps of block `c` into `row` (a run, so its
-/// loop vectorises), then the tile of rows is transposed into the panel step by step. The tile holds
+/// steps at a time: each line's run of the block is converted into a row of a tile (a run, so its loop
+/// vectorises), then the tile is transposed into the panel step by step. The tile holds
 /// as many lines as the panel (the kernels' widths have tiles of their own size; any other width up to
 /// [`MAX_WIDTH`] uses the largest): a tile of the largest size, zeroed for each 6-line A panel, cost
 /// more than the panel's own bytes.
 #[inline(always)]
-fn through_tile<P: PackInto>(
+fn through_tile<S: Source, P: PackInto>(
+    src: &[S],
     lines: Lines,
     width: usize,
+    compute: Compute,
     data: &mut [P],
-    fill: impl FnMut(usize, usize, &mut [P]),
 ) {
     match width {
-        6 => through_tile_of::<P, 6>(lines, width, data, fill),
-        16 => through_tile_of::<P, 16>(lines, width, data, fill),
-        32 => through_tile_of::<P, 32>(lines, width, data, fill),
-        _ => through_tile_of::<P, MAX_WIDTH>(lines, width, data, fill),
+        6 => through_tile_of::<S, P, 6>(src, lines, width, compute, data),
+        16 => through_tile_of::<S, P, 16>(src, lines, width, compute, data),
+        32 => through_tile_of::<S, P, 32>(src, lines, width, compute, data),
+        _ => through_tile_of::<S, P, MAX_WIDTH>(src, lines, width, compute, data),
     }
 }
 
-/// [`through_tile`] with a tile of `W >= width` lines.
+/// [`through_tile`] with a tile of `W >= width` lines. Each line's run becomes a row through
+/// [`PackInto::from_run`] (no closure: one passed in was compiled as a function of its own, without
+/// the vector extensions of the loop it was written in).
 #[inline(always)]
-fn through_tile_of<P: PackInto, const W: usize>(
+fn through_tile_of<S: Source, P: PackInto, const W: usize>(
+    src: &[S],
     lines: Lines,
     width: usize,
+    compute: Compute,
     data: &mut [P],
-    mut fill: impl FnMut(usize, usize, &mut [P]),
 ) {
     debug_assert!(lines.count <= width && width <= W);
     let mut tile = [[P::default(); CHUNK]; W];
     for (c, block) in data.chunks_mut(CHUNK * width).enumerate() {
         let steps = block.len() / width;
+        let k0 = c * CHUNK * P::K_PER_STEP;
+        let run_len = (steps * P::K_PER_STEP).min(lines.k - k0);
         for (l, row) in tile[..lines.count].iter_mut().enumerate() {
-            fill(c, l, &mut row[..steps]);
+            let run = &src[lines.base + l * lines.line_stride + k0..][..run_len];
+            P::from_run(run, compute, &mut row[..steps]);
         }
         transpose(&tile, lines.count, steps, width, block);
     }
@@ -377,12 +378,7 @@ impl PackInto for u32 {
         if lines.k_stride == 1 && lines.line_stride != 1 && width <= MAX_WIDTH {
             // k contiguous: each line's pairs are adjacent elements, its run rounded to bf16 bits and
             // paired into a tile (contiguous: vectorises; an odd last `k` finds its partner zero).
-            through_tile(lines, width, dst, |c, l, row| {
-                let k0 = 2 * c * CHUNK;
-                let run =
-                    &src[lines.base + l * lines.line_stride + k0..][..(2 * row.len()).min(lines.k - k0)];
-                pairs_from_run(run, row);
-            });
+            through_tile(src, lines, width, Compute::Bf16, dst);
         } else if lines.k_stride == 1 && lines.line_stride != 1 {
             for l in 0..lines.count {
                 let line = &src[lines.base + l * lines.line_stride..][..lines.k];

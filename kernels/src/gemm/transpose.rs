@@ -8,8 +8,9 @@
 //! the weight `(out, in)` read transposed). On AVX-512 the 4-byte elements (f32 values, bf16 pairs)
 //! are moved in zmm registers instead: a 6-line panel (the register kernels' A) 8 steps at a time by
 //! two permutes per 16 elements, a panel of a multiple of 16 lines (their B) in 16 x 16 blocks by the
-//! usual four rounds of shuffles. Only data moves: every version writes the same bits
-//! (`tests/vector_widths.rs` runs the packing capped below AVX-512 and compares).
+//! usual four rounds of shuffles; on AVX2 in ymm registers, in 8 x 8 blocks. Only data moves: every
+//! version writes the same bits (`tests/vector_widths.rs` runs the packing capped at AVX2 and at the
+//! baseline, and compares).
 
 use super::pack::PackInto;
 
@@ -59,6 +60,18 @@ fn in_registers<P: PackInto, const CHUNK: usize>(
             unsafe { x86::sixteens(src, CHUNK, width, done, dst) };
             return done;
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if size_of::<P>() == 4
+        && crate::vectorise::allows(crate::Isa::Avx2)
+        && (width == 6 || width.is_multiple_of(8))
+    {
+        let (src, dst) = (tile.as_ptr().cast::<u32>(), block.as_mut_ptr().cast::<u32>());
+        let done = steps / 8 * 8;
+        // SAFETY: AVX2 is available; the tile has at least `width` rows of CHUNK >= `done` words, the
+        // block `done * width` words; `P` is 4 bytes, every bit pattern valid (`PackInto`).
+        unsafe { x86::eights(src, CHUNK, width, done, dst) };
+        return done;
     }
     let _ = (tile, steps, width, block);
     0
@@ -155,6 +168,66 @@ mod x86 {
                     }
                 }
             }
+        }
+    }
+
+    /// [`super::transpose`] in ymm registers of a tile of 6 lines or of a multiple of 8, for `steps` (a
+    /// multiple of 8) steps, in 8 x 8 blocks (a 6-line tile's two missing rows zero, each step's first 6
+    /// words stored).
+    ///
+    /// # Safety
+    /// AVX2; `tile` holds `width` rows of at least `steps` words, `row` words apart; `out` is valid for
+    /// writing `width * steps` words.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn eights(tile: *const u32, row: usize, width: usize, steps: usize, out: *mut u32) {
+        for l0 in (0..width).step_by(8) {
+            for s0 in (0..steps).step_by(8) {
+                // SAFETY: rows l0..min(l0 + 8, width) and steps s0..s0 + 8 lie in the tile, the output
+                // rows' words l0..l0 + 8 (6 for a 6-line tile) in `out`, as the caller guarantees.
+                unsafe {
+                    let mut rows = [_mm256_setzero_si256(); 8];
+                    for (i, r) in rows.iter_mut().enumerate().take(width.min(8)) {
+                        *r = _mm256_loadu_si256(tile.add((l0 + i) * row + s0).cast());
+                    }
+                    let columns = block_8x8(rows);
+                    for (j, column) in columns.into_iter().enumerate() {
+                        let at = out.add((s0 + j) * width + l0);
+                        if width == 6 {
+                            _mm_storeu_si128(at.cast(), _mm256_castsi256_si128(column));
+                            _mm_storel_epi64(at.add(4).cast(), _mm256_extracti128_si256::<1>(column));
+                        } else {
+                            _mm256_storeu_si256(at.cast(), column);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 8 x 8 transpose of 32-bit words (as [`block_16x16`], with one round of lane shuffles).
+    #[inline(always)]
+    fn block_8x8(rows: [__m256i; 8]) -> [__m256i; 8] {
+        // SAFETY (every intrinsic below): AVX2, which the `target_feature` caller enables; register
+        // operations only.
+        unsafe {
+            let mut words = [_mm256_setzero_si256(); 8];
+            for i in (0..8).step_by(2) {
+                words[i] = _mm256_unpacklo_epi32(rows[i], rows[i + 1]);
+                words[i + 1] = _mm256_unpackhi_epi32(rows[i], rows[i + 1]);
+            }
+            let mut quads = [_mm256_setzero_si256(); 8];
+            for i in (0..8).step_by(4) {
+                quads[i] = _mm256_unpacklo_epi64(words[i], words[i + 2]);
+                quads[i + 1] = _mm256_unpackhi_epi64(words[i], words[i + 2]);
+                quads[i + 2] = _mm256_unpacklo_epi64(words[i + 1], words[i + 3]);
+                quads[i + 3] = _mm256_unpackhi_epi64(words[i + 1], words[i + 3]);
+            }
+            let mut columns = [_mm256_setzero_si256(); 8];
+            for j in 0..4 {
+                columns[j] = _mm256_permute2x128_si256::<0x20>(quads[j], quads[4 + j]);
+                columns[4 + j] = _mm256_permute2x128_si256::<0x31>(quads[j], quads[4 + j]);
+            }
+            columns
         }
     }
 
