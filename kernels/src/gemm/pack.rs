@@ -499,7 +499,7 @@ pub(crate) fn pack_grouped<S: Source, P: PackInto>(
 ) {
     debug_assert_eq!((dst.len(), lines.steps % group), (lines.steps * width, 0));
     let data_steps = lines.k.div_ceil(P::K_PER_STEP);
-    // For the lines-contiguous case below; declared once (zeroing it per group cost more than the group).
+    // For the lines-contiguous case below: declared once, not zeroed again for every group.
     let mut tile = [[P::default(); MAX_WIDTH]; MAX_GROUP];
     for (g, block) in dst.chunks_exact_mut(width * group).enumerate() {
         let first = g * group;

@@ -267,3 +267,75 @@ mod x86 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHUNK: usize = 64;
+
+    /// A tile of `width` rows (the first `lines` numbered, the rest zero, as the packing leaves them)
+    /// and what the element-by-element transposition writes into a panel prefilled with a marker.
+    fn case(lines: usize, width: usize, steps: usize) -> (Vec<[u32; CHUNK]>, Vec<u32>) {
+        let mut tile = vec![[0u32; CHUNK]; width.max(6)];
+        for (l, row) in tile.iter_mut().enumerate().take(lines) {
+            for (s, v) in row.iter_mut().enumerate() {
+                *v = (l as u32) << 16 | s as u32 | 0x8000_0000;
+            }
+        }
+        let mut want = vec![0u32; steps * width];
+        for s in 0..steps {
+            for l in 0..lines {
+                want[s * width + l] = tile[l][s];
+            }
+        }
+        (tile, want)
+    }
+
+    #[test]
+    fn every_version_writes_the_element_by_element_panel() {
+        for (lines, width) in
+            [(6, 6), (4, 6), (16, 16), (11, 16), (64, 64), (37, 64), (24, 24), (8, 8), (5, 7)]
+        {
+            for steps in [0, 1, 7, 8, 9, 15, 16, 17, 33, 64] {
+                let (tile, want) = case(lines, width, steps);
+                let mut got = vec![0u32; steps * width];
+                transpose(&tile, lines, steps, width, &mut got);
+                assert_eq!(got, want, "lines {lines}, width {width}, steps {steps}");
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let src = tile.as_ptr().cast::<u32>();
+                    let mut direct = vec![0u32; steps * width];
+                    let dst = direct.as_mut_ptr();
+                    let (eight, sixteen) = (steps / 8 * 8, steps / 16 * 16);
+                    if crate::Isa::Avx2.is_supported() && (width == 6 || width % 8 == 0) {
+                        // SAFETY: AVX2 present; the tile has `width` rows of CHUNK words, the panel
+                        // `steps * width` words.
+                        unsafe { x86::eights(src, CHUNK, width, eight, dst) };
+                        assert_eq!(
+                            direct[..eight * width],
+                            want[..eight * width],
+                            "ymm: {lines}/{width}/{steps}"
+                        );
+                    }
+                    if crate::Isa::Avx512.is_supported() && width == 6 {
+                        direct.fill(0);
+                        // SAFETY: AVX-512 present; as above.
+                        unsafe { x86::six_lines(src, CHUNK, eight, dst) };
+                        assert_eq!(direct[..eight * 6], want[..eight * 6], "zmm six: {lines}/{steps}");
+                    }
+                    if crate::Isa::Avx512.is_supported() && width % 16 == 0 {
+                        direct.fill(0);
+                        // SAFETY: AVX-512 present; as above.
+                        unsafe { x86::sixteens(src, CHUNK, width, sixteen, dst) };
+                        assert_eq!(
+                            direct[..sixteen * width],
+                            want[..sixteen * width],
+                            "zmm: {lines}/{width}/{steps}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
