@@ -37,9 +37,10 @@ pub(crate) struct Blocking {
     pub(crate) nr: usize,
     /// `k`s per packed step: 1 (f32) or 2 (bf16 pairs).
     pub(crate) k_per_step: usize,
-    /// Steps per k-block (a B micro-panel of `kc x nr` stays in L1 across a block's tiles).
+    /// Steps per k-block: each tile of C is loaded and stored once per k-block.
     pub(crate) kc: usize,
-    /// Rows per parallel block of C (a multiple of `mr`).
+    /// Rows per parallel block of C (a multiple of `mr`): each B micro-panel of a k-block is swept by
+    /// all of the block's `mc / mr` A micro-panels.
     pub(crate) mc: usize,
     /// Columns per parallel block of C (a multiple of `nr`).
     pub(crate) nc: usize,
@@ -52,16 +53,51 @@ pub(crate) struct Blocking {
     pub(crate) prefetch_next_b: bool,
 }
 
-/// 6 x 16 f32 tiles (two ymm per row): a 256-step B micro-panel is 16 KiB.
-pub(crate) const F32_6X16: Blocking =
-    Blocking { mr: 6, nr: 16, k_per_step: 1, kc: 256, mc: 96, nc: 256, a_group: 1, prefetch_next_b: true };
-/// 6 x 64 f32 tiles (four zmm per row): a 128-step B micro-panel is 32 KiB.
+/// The register kernels' k-block and block of rows: 512 steps and 288 rows. Their B micro-panel then
+/// outgrows L1 (32-128 KiB) and is read from L2, which keeps up with their few vector loads per step,
+/// while C's tiles are loaded and stored a quarter as often as with 128 steps and each B micro-panel
+/// serves three times the A micro-panels that 96 rows gave it. Measured on a Zen 4 (2 threads,
+/// interleaved in one process, against 128 steps and 96 rows): bf16 `vdpbf16ps` 4096^3 375-390 ->
+/// 406-424 GFLOP/s, 2048^3 344-376 -> 383-413, BERT-base's FFN products +5-7%; zmm f32 4096^3 158 ->
+/// 197, 2048^3 183 -> 204; AVX2 f32 2048^3 141-151 -> 160-163; the main job's products (k = 256,
+/// one k-block either way) within noise.
+const REGISTER_KC: usize = 512;
+const REGISTER_MC: usize = 288;
+
+/// 6 x 16 f32 tiles (two ymm per row): a k-block's B micro-panel is 32 KiB.
+pub(crate) const F32_6X16: Blocking = Blocking {
+    mr: 6,
+    nr: 16,
+    k_per_step: 1,
+    kc: REGISTER_KC,
+    mc: REGISTER_MC,
+    nc: 256,
+    a_group: 1,
+    prefetch_next_b: true,
+};
+/// 6 x 64 f32 tiles (four zmm per row): a k-block's B micro-panel is 128 KiB.
 #[cfg(target_arch = "x86_64")]
-pub(crate) const F32_6X64: Blocking =
-    Blocking { mr: 6, nr: 64, k_per_step: 1, kc: 128, mc: 96, nc: 256, a_group: 1, prefetch_next_b: true };
-/// 6 x 64 tiles of bf16 pairs (four zmm per row): a 128-step B micro-panel is 32 KiB.
-pub(crate) const PAIRS_6X64: Blocking =
-    Blocking { mr: 6, nr: 64, k_per_step: 2, kc: 128, mc: 96, nc: 256, a_group: 1, prefetch_next_b: true };
+pub(crate) const F32_6X64: Blocking = Blocking {
+    mr: 6,
+    nr: 64,
+    k_per_step: 1,
+    kc: REGISTER_KC,
+    mc: REGISTER_MC,
+    nc: 256,
+    a_group: 1,
+    prefetch_next_b: true,
+};
+/// 6 x 64 tiles of bf16 pairs (four zmm per row): a k-block (1024 `k`) of B micro-panel is 128 KiB.
+pub(crate) const PAIRS_6X64: Blocking = Blocking {
+    mr: 6,
+    nr: 64,
+    k_per_step: 2,
+    kc: REGISTER_KC,
+    mc: REGISTER_MC,
+    nc: 256,
+    a_group: 1,
+    prefetch_next_b: true,
+};
 
 /// 32 x 32 tiles of bf16 pairs as four 16 x 16 AMX tiles of C, A in groups of 16 steps (32 `k`, one
 /// tile product). A k-block of 1024 steps (2048 `k`) makes the B and A micro-panels 128 KiB each, swept
