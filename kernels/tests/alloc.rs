@@ -141,7 +141,7 @@ fn unscale_norm_and_adam_over_98_tensors_do_not_allocate() {
 
     // GEMMs: the packed path (parallel blocks, a bias, bf16 C through the f32 scratch of k-blocks) and
     // the skinny one (f32 A rounded to bf16, B read in place), on the best path and the models.
-    // k = 1100: k-blocks of 512 f32 steps or 1024 bf16 pairs' `k`, so more than one on every path.
+    // k = 1100: more than one k-block on every path (256 or 512 f32 steps, 1024 `k` of bf16 pairs).
     let (m, k, n) = (200, 1100, 256);
     let a: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 - 6.0).collect();
     let b: Vec<bf16> = (0..k * n).map(|i| bf16::from_f32((i % 7) as f32 - 3.0)).collect();

@@ -159,7 +159,7 @@ fn edge_cases(compute: Compute, out: Dtype, accumulate: bool) -> Vec<Case> {
         (3, 13, 129, 130),
         (1, 16, 300, 64),
         (1, 40, 70, 600),
-        // Two blocks of rows for the register kernels (288 rows a block), their edge inside a tile.
+        // Two blocks of rows for the zmm kernels (288 rows a block), their edge inside a tile.
         (1, 301, 257, 35),
         // More than one AMX k-block (1024 steps, 2048 `k`): C's tiles stored and loaded back between.
         (1, 33, 40, 2100),

@@ -53,36 +53,32 @@ pub(crate) struct Blocking {
     pub(crate) prefetch_next_b: bool,
 }
 
-/// The register kernels' k-block and block of rows: 512 steps and 288 rows. Their B micro-panel then
-/// outgrows L1 (32-128 KiB) and is read from L2, which keeps up with their few vector loads per step,
-/// while C's tiles are loaded and stored a quarter as often as with 128 steps and each B micro-panel
-/// serves three times the A micro-panels that 96 rows gave it. Measured on a Zen 4 (2 threads,
-/// interleaved in one process, against 128 steps and 96 rows): bf16 `vdpbf16ps` 4096^3 375-390 ->
-/// 406-424 GFLOP/s, 2048^3 344-376 -> 383-413, BERT-base's FFN products +5-7%; zmm f32 4096^3 158 ->
-/// 197, 2048^3 183 -> 204; AVX2 f32 2048^3 141-151 -> 160-163; the main job's products (k = 256,
-/// one k-block either way) within noise.
-const REGISTER_KC: usize = 512;
-const REGISTER_MC: usize = 288;
+/// The zmm kernels' k-block and block of rows: 512 steps and 288 rows. Their B micro-panel (128 KiB)
+/// then outgrows L1 and is read from L2, which keeps up with their four vector loads per step, while
+/// C's tiles are loaded and stored a quarter as often as with 128 steps and each B micro-panel serves
+/// three times the A micro-panels that 96 rows gave it; a block's A slice (576 KiB) and B micro-panel
+/// fit the 1 MiB L2 of every AVX-512 CPU since Zen 4 and Sapphire Rapids. Measured on a Zen 4 (2
+/// threads, interleaved in one process, against 128 steps and 96 rows): bf16 `vdpbf16ps` 4096^3
+/// 375-390 -> 406-424 GFLOP/s, 2048^3 344-376 -> 383-413, BERT-base's FFN products +5-7%; zmm f32
+/// 4096^3 158 -> 197, 2048^3 183 -> 204; the main job's products (k = 256, one k-block either way)
+/// within noise.
+const ZMM_KC: usize = 512;
+const ZMM_MC: usize = 288;
 
-/// 6 x 16 f32 tiles (two ymm per row): a k-block's B micro-panel is 32 KiB.
-pub(crate) const F32_6X16: Blocking = Blocking {
-    mr: 6,
-    nr: 16,
-    k_per_step: 1,
-    kc: REGISTER_KC,
-    mc: REGISTER_MC,
-    nc: 256,
-    a_group: 1,
-    prefetch_next_b: true,
-};
+/// 6 x 16 f32 tiles (two ymm per row): a 256-step B micro-panel is 16 KiB, a block's A slice 96 KiB.
+/// (The zmm kernels' larger blocking measured the same to 5% faster on the AVX2 path forced on a Zen
+/// 4, whose L2 is 1 MiB; its 576 KiB A slice would not stay in the 512 KiB L2 of a Zen 2 or 3 EPYC,
+/// and the AVX2-only machine this project was measured on before was an EPYC of unknown generation.)
+pub(crate) const F32_6X16: Blocking =
+    Blocking { mr: 6, nr: 16, k_per_step: 1, kc: 256, mc: 96, nc: 256, a_group: 1, prefetch_next_b: true };
 /// 6 x 64 f32 tiles (four zmm per row): a k-block's B micro-panel is 128 KiB.
 #[cfg(target_arch = "x86_64")]
 pub(crate) const F32_6X64: Blocking = Blocking {
     mr: 6,
     nr: 64,
     k_per_step: 1,
-    kc: REGISTER_KC,
-    mc: REGISTER_MC,
+    kc: ZMM_KC,
+    mc: ZMM_MC,
     nc: 256,
     a_group: 1,
     prefetch_next_b: true,
@@ -92,8 +88,8 @@ pub(crate) const PAIRS_6X64: Blocking = Blocking {
     mr: 6,
     nr: 64,
     k_per_step: 2,
-    kc: REGISTER_KC,
-    mc: REGISTER_MC,
+    kc: ZMM_KC,
+    mc: ZMM_MC,
     nc: 256,
     a_group: 1,
     prefetch_next_b: true,
