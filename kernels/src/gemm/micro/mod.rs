@@ -60,8 +60,8 @@ pub(crate) struct Blocking {
 /// fit the 1 MiB L2 of every AVX-512 CPU since Zen 4 and Sapphire Rapids. Measured on a Zen 4 (2
 /// threads, interleaved in one process, against 128 steps and 96 rows): bf16 `vdpbf16ps` 4096^3
 /// 375-390 -> 406-424 GFLOP/s, 2048^3 344-376 -> 383-413, BERT-base's FFN products +5-7%; zmm f32
-/// 4096^3 158 -> 197, 2048^3 183 -> 204; the main job's products (k = 256, one k-block either way)
-/// within noise.
+/// 4096^3 158 -> 197, 2048^3 183 -> 204; the main job's products (1024 rows, k of 256 or 1024) within
+/// noise.
 const ZMM_KC: usize = 512;
 const ZMM_MC: usize = 288;
 
