@@ -1,8 +1,8 @@
 //! Software prefetch of the packed B micro-panel the next tiles sweep.
 //!
-//! A B micro-panel stays in L1 or L2 while every A micro-panel of a block sweeps it, but the first of those
-//! tiles reads all of it from memory, and the hardware prefetchers stop at each 4 KiB page: that tile
-//! would wait on memory. The driver fetches the next micro-panel into L2 a slice per tile while the
+//! A B micro-panel stays in L1 or L2 while every A micro-panel of a block sweeps it, but the first of
+//! those tiles reads all of it from memory, and the hardware prefetchers stop at each 4 KiB page: that
+//! tile would wait on memory. The driver fetches the next micro-panel into L2 a slice per tile while the
 //! current one is swept.
 
 /// Cache line size in bytes.

@@ -57,7 +57,7 @@ pub(crate) struct Blocking {
 /// then outgrows L1 and is read from L2, which keeps up with their four vector loads per step, while
 /// C's tiles are loaded and stored a quarter as often as with 128 steps and each B micro-panel serves
 /// three times the A micro-panels that 96 rows gave it; a block's A slice (576 KiB) and B micro-panel
-/// fit the 1 MiB L2 of every AVX-512 CPU since Zen 4 and Sapphire Rapids. Measured on a Zen 4 (2
+/// fit a Zen 4's 1 MiB L2 (Sapphire Rapids has 2 MiB). Measured on a Zen 4 (2
 /// threads, interleaved in one process, against 128 steps and 96 rows): bf16 `vdpbf16ps` 4096^3
 /// 375-390 -> 406-424 GFLOP/s, 2048^3 344-376 -> 383-413, BERT-base's FFN products +5-7%; zmm f32
 /// 4096^3 158 -> 197, 2048^3 183 -> 204; the main job's products (1024 rows, k of 256 or 1024) within
@@ -83,7 +83,7 @@ pub(crate) const F32_6X64: Blocking = Blocking {
     a_group: 1,
     prefetch_next_b: true,
 };
-/// 6 x 64 tiles of bf16 pairs (four zmm per row): a k-block (1024 `k`) of B micro-panel is 128 KiB.
+/// 6 x 64 tiles of bf16 pairs (four zmm per row): a k-block's B micro-panel (1024 `k`) is 128 KiB.
 pub(crate) const PAIRS_6X64: Blocking = Blocking {
     mr: 6,
     nr: 64,
