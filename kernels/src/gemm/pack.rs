@@ -14,7 +14,7 @@
 
 use half::{bf16, f16};
 
-use super::transpose::transpose;
+use super::transpose::{transpose, transpose_rows};
 use super::Compute;
 use crate::branchless as bits;
 
@@ -24,6 +24,9 @@ pub(crate) trait Source: Copy + Send + Sync {
     fn rounded(self, compute: Compute) -> f32;
     /// The value rounded to bf16, as bits.
     fn bf16_bits(self) -> u16;
+    /// Whether a run of this type is already its packed words for `compute`, `k_per_step` elements a
+    /// word (f32 for f32 compute, bf16 pairs), so that it can be transposed into a panel where it lies.
+    fn is_packed(compute: Compute, k_per_step: usize) -> bool;
 }
 
 impl Source for f32 {
@@ -39,6 +42,10 @@ impl Source for f32 {
     fn bf16_bits(self) -> u16 {
         bits::bf16_bits(self)
     }
+    #[inline(always)]
+    fn is_packed(compute: Compute, k_per_step: usize) -> bool {
+        compute == Compute::F32 && k_per_step == 1
+    }
 }
 
 impl Source for f16 {
@@ -53,6 +60,10 @@ impl Source for f16 {
     fn bf16_bits(self) -> u16 {
         bits::bf16_bits(bits::f16_to_f32(self))
     }
+    #[inline(always)]
+    fn is_packed(_: Compute, _: usize) -> bool {
+        false
+    }
 }
 
 impl Source for bf16 {
@@ -66,6 +77,11 @@ impl Source for bf16 {
     #[inline(always)]
     fn bf16_bits(self) -> u16 {
         self.to_bits()
+    }
+    #[inline(always)]
+    fn is_packed(_: Compute, k_per_step: usize) -> bool {
+        // A pair word holds the even `k` in its low half: the little-endian order of the run.
+        k_per_step == 2 && cfg!(target_endian = "little")
     }
 }
 
@@ -228,10 +244,28 @@ fn through_tile_of<S: Source, P: PackInto, const W: usize>(
     data: &mut [P],
 ) {
     debug_assert!(lines.count <= width && width <= W);
+    // Where the operand already holds the panel's words (f32 for f32 compute, bf16 pairs) and every
+    // line is present, whole blocks are transposed from where they lie: no copy into the tile.
+    let element = std::mem::size_of::<S>();
+    let in_place = S::is_packed(compute, P::K_PER_STEP)
+        && lines.count == width
+        && (lines.line_stride * element).is_multiple_of(4)
+        && (src.as_ptr() as usize + lines.base * element).is_multiple_of(4);
     let mut tile = [[P::default(); CHUNK]; W];
     for (c, block) in data.chunks_mut(CHUNK * width).enumerate() {
         let steps = block.len() / width;
         let k0 = c * CHUNK * P::K_PER_STEP;
+        if in_place && k0 + steps * P::K_PER_STEP <= lines.k {
+            let first = &src[lines.base + k0..];
+            let last_line = (width - 1) * lines.line_stride + steps * P::K_PER_STEP;
+            assert!(first.len() >= last_line, "the panel's lines lie inside the operand");
+            let row = lines.line_stride * element / 4;
+            // SAFETY: the lines start 4-byte aligned (checked above), each holds `steps` words of
+            // data (`k0 + steps * K_PER_STEP <= k`) inside `src` (asserted), `row` words apart.
+            if unsafe { transpose_rows(first.as_ptr().cast::<u32>(), row, steps, width, block) } {
+                continue;
+            }
+        }
         let run_len = (steps * P::K_PER_STEP).min(lines.k - k0);
         for (l, row) in tile[..lines.count].iter_mut().enumerate() {
             let run = &src[lines.base + l * lines.line_stride + k0..][..run_len];
