@@ -48,7 +48,6 @@ fn in_registers<P: PackInto, const CHUNK: usize>(
     width: usize,
     block: &mut [P],
 ) -> usize {
-    let _ = (steps, width);
     #[cfg(target_arch = "x86_64")]
     if size_of::<P>() == 4 {
         let (src, dst) = (tile.as_ptr().cast::<u32>(), block.as_mut_ptr().cast::<u32>());
@@ -56,13 +55,13 @@ fn in_registers<P: PackInto, const CHUNK: usize>(
         // width` words (`transpose`'s assertion); `P` is 4 bytes, every bit pattern valid (`PackInto`).
         return unsafe { x86::leading_steps(src, CHUNK, steps, width, dst) };
     }
-    let _ = (tile, block);
+    let _ = (tile, steps, width, block);
     0
 }
 
 /// [`transpose`] of `width` full lines read where they lie: line `l`'s steps are the words from
-/// `src + l * row`. Returns false, writing nothing, where no vector version runs or one would leave a
-/// tail of steps (the caller then goes through its tile).
+/// `src + l * row`. Returns false where no vector version runs or one leaves a tail of steps: the
+/// caller then writes the whole block through its tile (over any leading steps written here).
 ///
 /// # Safety
 /// `src` is 4-byte aligned and valid for reading `width` rows of `steps` words, `row` words apart;
@@ -77,11 +76,9 @@ pub(crate) unsafe fn transpose_rows<P: PackInto>(
 ) -> bool {
     debug_assert!(block.len() >= steps * width);
     #[cfg(target_arch = "x86_64")]
-    if size_of::<P>() == 4 && x86::does_all(steps, width) {
+    if size_of::<P>() == 4 {
         // SAFETY: as the caller guarantees; `P` is 4 bytes, every bit pattern valid (`PackInto`).
-        let done = unsafe { x86::leading_steps(src, row, steps, width, block.as_mut_ptr().cast()) };
-        debug_assert_eq!(done, steps);
-        return true;
+        return unsafe { x86::leading_steps(src, row, steps, width, block.as_mut_ptr().cast()) } == steps;
     }
     let _ = (src, row, steps, width, block);
     false
@@ -90,17 +87,6 @@ pub(crate) unsafe fn transpose_rows<P: PackInto>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
-
-    /// Whether [`leading_steps`] does all `steps` of a panel `width` lines wide.
-    #[inline(always)]
-    pub(super) fn does_all(steps: usize, width: usize) -> bool {
-        if crate::vectorise::allows(crate::Isa::Avx512) && (width == 6 || width.is_multiple_of(16)) {
-            return steps.is_multiple_of(if width == 6 { 8 } else { 16 });
-        }
-        crate::vectorise::allows(crate::Isa::Avx2)
-            && (width == 6 || width.is_multiple_of(8))
-            && steps.is_multiple_of(8)
-    }
 
     /// The leading steps of `width` rows (`row` words apart from `src`) written into the panel by the
     /// widest register version the CPU and the vectorisation cap allow: zmm for 6 lines and multiples
