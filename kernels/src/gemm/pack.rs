@@ -14,6 +14,7 @@
 
 use half::{bf16, f16};
 
+use super::prefetch;
 use super::transpose::{transpose, transpose_rows};
 use super::Compute;
 use crate::branchless as bits;
@@ -309,6 +310,10 @@ fn pack_any<S: Source, P: PackInto>(
 /// Lines per group of [`pack_panels_across`].
 pub(crate) const ACROSS_LINES: usize = 96;
 
+/// How many steps ahead [`pack_panels_across`] fetches its source runs into L1. Measured on Zen 4
+/// (weight-gradient products, 2 threads): 4 and 8 gave the same speed-up, 16 less.
+const PREFETCH_STEPS: usize = 4;
+
 widest_vectors! {
     /// Packs consecutive panels of `width` lines (`dst` holds them, `lines.steps * width` each)
     /// whose lines are contiguous (`lines.line_stride == 1`: an operand read transposed), step by
@@ -355,6 +360,15 @@ fn panels_across_of<S: Source, P: PackInto, const W: usize>(
     let data_steps = lines.k.div_ceil(P::K_PER_STEP);
     let mut step = [P::default(); ACROSS_LINES];
     for s in 0..lines.steps {
+        // The hardware prefetchers do not follow these short runs `k_stride` apart (the runs of a
+        // transposed operand, each in its own 4 KiB page when k_stride is large): without this, the
+        // loop waits on memory at every step (two thirds of its samples on its loads).
+        for r in 0..P::K_PER_STEP {
+            let k = (s + PREFETCH_STEPS) * P::K_PER_STEP + r;
+            if k < lines.k {
+                prefetch::run_to_l1(src, lines.base + k * lines.k_stride, lines.count);
+            }
+        }
         if s < data_steps {
             P::across_lines(src, s, lines, compute, &mut step[..lines.count], 1);
         } else {

@@ -1,9 +1,14 @@
-//! Software prefetch of the packed B micro-panel the next tiles sweep.
+//! Software prefetch: of the packed B micro-panel the next tiles sweep, and of the source runs that
+//! packing reads across lines.
 //!
 //! A B micro-panel stays in L1 or L2 while every A micro-panel of a block sweeps it, but the first of
 //! those tiles reads all of it from memory, and the hardware prefetchers stop at each 4 KiB page: that
 //! tile would wait on memory. The driver fetches the next micro-panel into L2 a slice per tile while the
 //! current one is swept.
+//!
+//! Packing an operand whose lines are contiguous reads, at each step, one short run per `k` (a few
+//! hundred bytes), the runs `k_stride` elements apart: a page apart for a large operand, so again past
+//! the hardware prefetchers. The packing loop fetches the runs a few steps ahead into L1.
 
 /// Cache line size in bytes.
 const LINE: usize = 64;
@@ -18,6 +23,28 @@ pub(crate) fn part_to_l2<T>(data: &[T], part: usize, parts: usize) {
         line_to_l2(base.wrapping_add(line * LINE));
     }
 }
+
+/// Prefetches into L1 the cache lines of `len` elements of `data` from `start` (clamped to `data`).
+#[inline]
+pub(crate) fn run_to_l1<T>(data: &[T], start: usize, len: usize) {
+    let size = std::mem::size_of::<T>();
+    let base = data.as_ptr().cast::<u8>().wrapping_add(start * size);
+    for line in 0..(len * size).div_ceil(LINE) {
+        line_to_l1(base.wrapping_add(line * LINE));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn line_to_l1(p: *const u8) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    // SAFETY: SSE is part of x86-64, and a prefetch never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) };
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[inline]
+fn line_to_l1(_: *const u8) {}
 
 #[cfg(target_arch = "x86_64")]
 #[inline]
