@@ -144,13 +144,7 @@ impl PackInto for f32 {
                 }
             }
         } else if lines.line_stride == 1 {
-            // Lines contiguous: each step is a contiguous run of `count` elements.
-            for (s, row) in dst.chunks_exact_mut(width).enumerate() {
-                let run = &src[lines.base + s * lines.k_stride..][..lines.count];
-                for (out, &x) in row.iter_mut().zip(run) {
-                    *out = x.rounded(compute);
-                }
-            }
+            steps_across(src, lines, width, compute, dst);
         } else {
             for (s, row) in dst.chunks_exact_mut(width).enumerate() {
                 for (l, out) in row[..lines.count].iter_mut().enumerate() {
@@ -310,7 +304,7 @@ fn pack_any<S: Source, P: PackInto>(
 /// Lines per group of [`pack_panels_across`].
 pub(crate) const ACROSS_LINES: usize = 96;
 
-/// How many steps ahead [`pack_panels_across`] fetches its source runs into L1. Measured on Zen 4
+/// How many steps ahead packing fetches the source runs of contiguous lines into L1 ([`fetch_ahead`]). Measured on Zen 4
 /// (weight-gradient products, 2 threads): 4 and 8 gave the same speed-up, 16 less.
 const PREFETCH_STEPS: usize = 4;
 
@@ -360,15 +354,7 @@ fn panels_across_of<S: Source, P: PackInto, const W: usize>(
     let data_steps = lines.k.div_ceil(P::K_PER_STEP);
     let mut step = [P::default(); ACROSS_LINES];
     for s in 0..lines.steps {
-        // The hardware prefetchers do not follow these short runs `k_stride` apart (the runs of a
-        // transposed operand, each in its own 4 KiB page when k_stride is large): without this, the
-        // loop waits on memory at every step (two thirds of its samples on its loads).
-        for r in 0..P::K_PER_STEP {
-            let k = (s + PREFETCH_STEPS) * P::K_PER_STEP + r;
-            if k < lines.k {
-                prefetch::run_to_l1(src, lines.base + k * lines.k_stride, lines.count);
-            }
-        }
+        fetch_ahead::<S, P>(src, s, lines);
         if s < data_steps {
             P::across_lines(src, s, lines, compute, &mut step[..lines.count], 1);
         } else {
@@ -383,6 +369,38 @@ fn panels_across_of<S: Source, P: PackInto, const W: usize>(
                 out[..present].copy_from_slice(&step[q * width..][..present]);
                 out[present..].fill(P::default());
             }
+        }
+    }
+}
+
+/// The data steps of one panel whose lines are contiguous (`line_stride == 1`), each a run of
+/// `lines.count` elements per `k` into its row of `dst` (`[k-steps][width]`, the padding already
+/// written by [`prepare`]).
+#[inline(always)]
+fn steps_across<S: Source, P: PackInto>(
+    src: &[S],
+    lines: Lines,
+    width: usize,
+    compute: Compute,
+    dst: &mut [P],
+) {
+    for (s, row) in dst.chunks_exact_mut(width).enumerate() {
+        fetch_ahead::<S, P>(src, s, lines);
+        P::across_lines(src, s, lines, compute, &mut row[..lines.count], 1);
+    }
+}
+
+/// Fetches into L1 the source runs of step `s + PREFETCH_STEPS` of lines that are contiguous.
+///
+/// The hardware prefetchers do not follow these short runs `k_stride` apart (a transposed operand's
+/// runs each lie in their own 4 KiB page when `k_stride` is large): without this, packing waits on
+/// memory at every step (two thirds of `pack_panels_across`' samples were on its loads).
+#[inline(always)]
+fn fetch_ahead<S: Source, P: PackInto>(src: &[S], s: usize, lines: Lines) {
+    for r in 0..P::K_PER_STEP {
+        let k = (s + PREFETCH_STEPS) * P::K_PER_STEP + r;
+        if k < lines.k {
+            prefetch::run_to_l1(src, lines.base + k * lines.k_stride, lines.count);
         }
     }
 }
@@ -440,20 +458,8 @@ impl PackInto for u32 {
                 }
             }
         } else if lines.line_stride == 1 {
-            // Lines contiguous: interleave two contiguous runs (k = 2s and 2s + 1).
-            for (s, row) in dst.chunks_exact_mut(width).enumerate() {
-                let even = &src[lines.base + 2 * s * lines.k_stride..][..lines.count];
-                if s < pairs {
-                    let odd = &src[lines.base + (2 * s + 1) * lines.k_stride..][..lines.count];
-                    for ((out, &e), &o) in row.iter_mut().zip(even).zip(odd) {
-                        *out = pair(e, o);
-                    }
-                } else {
-                    for (out, &e) in row.iter_mut().zip(even) {
-                        *out = u32::from(e.bf16_bits());
-                    }
-                }
-            }
+            // Lines contiguous: two contiguous runs (k = 2s and 2s + 1) interleaved a step at a time.
+            steps_across(src, lines, width, Compute::Bf16, dst);
         } else {
             for (s, row) in dst.chunks_exact_mut(width).enumerate() {
                 for (l, out) in row[..lines.count].iter_mut().enumerate() {
