@@ -7,8 +7,8 @@
 //! 2. C is cut into blocks of `MC x NC`; blocks run in parallel, consecutive ones sharing the larger
 //!    packed operand's panels (so each thread mostly reads what it packed). Inside a block, for each
 //!    k-block of `KC` steps, each B micro-panel (`KC x NR`: in L1 or L2, [`micro::Blocking`]) is
-//!    swept by every A micro-panel of the block, while the next B micro-panel is prefetched into L2
-//!    (register kernels; [`super::prefetch`]).
+//!    swept by every A micro-panel of the block (for the AVX2 kernel, whose micro-panel is swept from
+//!    L1, while the next one is prefetched into L2; [`super::prefetch`]).
 //! 3. f32 output is accumulated in place; f16 / bf16 output is rounded once, from each tile's sums after
 //!    its last k-block, so a half C never holds a partial sum (earlier k-blocks' sums wait in an f32
 //!    scratch block per worker thread). A block starts from zero, from C, or from a bias row

@@ -1,10 +1,10 @@
 //! Software prefetch: of the packed B micro-panel the next tiles sweep, and of the source runs that
 //! packing reads across lines.
 //!
-//! A B micro-panel stays in L1 or L2 while every A micro-panel of a block sweeps it, but the first of
-//! those tiles reads all of it from memory, and the hardware prefetchers stop at each 4 KiB page: that
-//! tile would wait on memory. The driver fetches the next micro-panel into L2 a slice per tile while the
-//! current one is swept.
+//! A B micro-panel stays in L1 while every A micro-panel of a block sweeps it (the AVX2 kernel's), but
+//! the first of those tiles reads all of it from memory, and the hardware prefetchers stop at each 4 KiB
+//! page: that tile would wait on memory. The driver fetches the next micro-panel into L2 a slice per tile
+//! while the current one is swept (where [`super::micro::Blocking::prefetch_next_b`] says so).
 //!
 //! Packing an operand whose lines are contiguous reads, at each step, one short run per `k` (a few
 //! hundred bytes), the runs `k_stride` elements apart: a page apart for a large operand, so again past

@@ -47,9 +47,13 @@ pub(crate) struct Blocking {
     /// Steps per group of a packed A panel (`[steps / G][MR][G]`). Panels hold a multiple of `G` steps
     /// (the padding is zero), and `kc` is one too.
     pub(crate) a_group: usize,
-    /// Whether the driver prefetches the next B micro-panel into L2 while the current one is swept
-    /// (measured: +4-8% for the register kernels at 1024^3-2048^3, -10% for AMX, whose tiles are too
-    /// short to hide the extra instructions and traffic).
+    /// Whether the driver prefetches the next B micro-panel into L2 while the current one is swept:
+    /// for a micro-panel swept from L1 (the AVX2 kernel's; measured +4-8% at 1024^3-2048^3 when the
+    /// zmm kernels' were too, and +2-13% on the forced AVX2 path on a Zen 4 still). Not for one swept
+    /// from L2: AMX (-10%: its tiles are too short to hide the extra instructions and traffic) and the
+    /// zmm kernels since their 512-step k-blocks (on a Zen 4, 2 threads, with and without alternated
+    /// call by call: zmm f32 4096^3 183 -> 209-211 GFLOP/s, other shapes -3% to +3%; `vdpbf16ps` +0-2%
+    /// on each of 12 shapes).
     pub(crate) prefetch_next_b: bool,
 }
 
@@ -81,7 +85,7 @@ pub(crate) const F32_6X64: Blocking = Blocking {
     mc: ZMM_MC,
     nc: 256,
     a_group: 1,
-    prefetch_next_b: true,
+    prefetch_next_b: false,
 };
 /// 6 x 64 tiles of bf16 pairs (four zmm per row): a k-block's B micro-panel (1024 `k`) is 128 KiB.
 pub(crate) const PAIRS_6X64: Blocking = Blocking {
@@ -92,7 +96,7 @@ pub(crate) const PAIRS_6X64: Blocking = Blocking {
     mc: ZMM_MC,
     nc: 256,
     a_group: 1,
-    prefetch_next_b: true,
+    prefetch_next_b: false,
 };
 
 /// 32 x 32 tiles of bf16 pairs as four 16 x 16 AMX tiles of C, A in groups of 16 steps (32 `k`, one
