@@ -6,6 +6,8 @@
 //! - [`optim`]: fused Adam / AdamW, SGD and LAMB steps over fp32 master weights and fp32 state, reading
 //!   f32, f16 or bf16 gradients and optionally writing the f16 / bf16 working copy in the same pass.
 //! - [`clip`]: clipping by value, and the clip-by-norm coefficient.
+//! - [`conv`]: convolution as matrix products: an image's patches as the columns of a matrix (im2col)
+//!   and that matrix's gradient folded back onto the image (col2im).
 //! - [`convert`]: f32 <-> f16 / bf16 with `half`'s rounding, bit for bit.
 //! - [`reduce`]: column sums in f32 (a linear layer's bias gradient).
 //! - [`layer_norm`]: layer normalisation forward and backward, one pass each.
@@ -55,6 +57,7 @@ mod amx;
 mod backend;
 mod branchless;
 pub mod clip;
+pub mod conv;
 pub mod convert;
 pub mod cuda;
 pub mod exp;

@@ -8,11 +8,16 @@
 //! accumulate in f32 and the result is rounded to the compute precision; the bias is added in f32 and
 //! the sum rounded once more (so the bias gradient also sums in f32).
 //!
-//! bf16 on CPU, which candle's own conv2d refuses, goes through an exact f32 path: see [`Conv2d`].
+//! On the CPU both run on amp's GEMM ([`crate::dispatch`]): per image, the input's patches unfolded into
+//! a matrix (im2col) and one product per group, with a backward through the same GEMM; bf16 included,
+//! which candle's own CPU conv2d refuses. Elsewhere, or with candle's kernel forced, candle's
+//! convolution runs (bf16 on the CPU then through an exact f32 path: see [`Conv2d`]; a 1-d one as a 2-d
+//! one of height 1, since candle's CPU `conv1d` has a wrong backward).
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, Conv1dConfig, Conv2dConfig, VarBuilder};
 
+use crate::ops::{self, ConvParams};
 use crate::{LayerPrecision, Param, Precision};
 
 /// A 1-d convolution with candle-nn's parameter names (`weight`, `bias`), shapes and initialisation.
@@ -27,14 +32,15 @@ pub struct Conv1d {
 /// A 2-d convolution (square kernel) with candle-nn's parameter names (`weight`, `bias`), shapes and
 /// initialisation.
 ///
-/// **bf16 on CPU.** candle 0.11's CPU `conv2d` refuses bf16 ("unsupported dtype BF16 for op matmul").
-/// This layer then rounds both operands to bf16 as usual, widens them to f32 (exact), convolves in f32
-/// and rounds the result to bf16. A product of two bf16 values (8-bit significands) is exact in f32's
-/// 24 bits, so this is what a bf16 kernel with f32 accumulation computes: same operand roundings, same
-/// accumulation precision, one rounding of the result. The backward runs through the same f32
-/// convolution (candle's f32 conv has a backward) and the gradient is rounded to bf16 on its way back to
-/// the bf16 operand, again as a bf16 kernel would return it. The cost is an f32 copy of input and
-/// kernel. Other devices and dtypes use candle's own conv2d (bf16 `conv1d` works on CPU as it is).
+/// **bf16 on CPU.** amp's GEMM computes it like any other precision. candle 0.11's CPU `conv2d`
+/// refuses bf16 ("unsupported dtype BF16 for op matmul"): when candle's kernel is forced
+/// ([`crate::dispatch::set_override`]), this layer rounds both operands to bf16 as usual, widens them
+/// to f32 (exact), convolves in f32 and rounds the result to bf16. A product of two bf16 values (8-bit
+/// significands) is exact in f32's 24 bits, so this is what a bf16 kernel with f32 accumulation
+/// computes: same operand roundings, same accumulation precision, one rounding of the result. The
+/// backward runs through the same f32 convolution and the gradient is rounded to bf16 on its way back
+/// to the bf16 operand, again as a bf16 kernel would return it. The cost is an f32 copy of input and
+/// kernel.
 #[derive(Clone, Debug)]
 pub struct Conv2d {
     weight: Param,
@@ -152,7 +158,17 @@ impl Module for Conv1d {
         let x = xs.to_dtype(compute.dtype())?;
         let w = self.weight.in_precision(compute)?;
         let c = &self.config;
-        let y = x.conv1d_with_algo(&w, c.padding, c.stride, c.dilation, c.groups, c.cudnn_fwd_algo)?;
+        // A 1-d convolution is a 2-d one of height 1.
+        let params = ConvParams {
+            padding: [0, c.padding],
+            stride: [1, c.stride],
+            dilation: [1, c.dilation],
+            groups: c.groups,
+        };
+        let y = match ops::conv2d(&x.unsqueeze(2)?, &w.unsqueeze(2)?, params, compute, compute.dtype())? {
+            Some(y) => y.squeeze(2)?,
+            None => conv1d_through_2d(&x, &w, c)?,
+        };
         let y = add_bias(y, self.bias.as_ref(), 3)?;
         super::cast_output(y, self.precision, xs.dtype())
     }
@@ -163,7 +179,17 @@ impl Module for Conv2d {
         let compute = self.precision.compute;
         let x = xs.to_dtype(compute.dtype())?;
         let w = self.weight.in_precision(compute)?;
-        let y = conv2d_any_dtype(&x, &w, &self.config)?;
+        let c = &self.config;
+        let params = ConvParams {
+            padding: [c.padding; 2],
+            stride: [c.stride; 2],
+            dilation: [c.dilation; 2],
+            groups: c.groups,
+        };
+        let y = match ops::conv2d(&x, &w, params, compute, compute.dtype())? {
+            Some(y) => y,
+            None => conv2d_any_dtype(&x, &w, c)?,
+        };
         let y = add_bias(y, self.bias.as_ref(), 4)?;
         super::cast_output(y, self.precision, xs.dtype())
     }
@@ -178,6 +204,22 @@ fn conv2d_any_dtype(x: &Tensor, w: &Tensor, c: &Conv2dConfig) -> Result<Tensor> 
         return y.to_dtype(DType::BF16);
     }
     x.conv2d_with_algo(w, c.padding, c.stride, c.dilation, c.groups, c.cudnn_fwd_algo)
+}
+
+/// candle's convolution for a 1-d one, as a 2-d one of height 1, the padding added explicitly (candle's
+/// conv2d pads both dimensions alike). candle 0.11.1's CPU `conv1d` computes wrong gradients for a batch
+/// of more than one image (the kernel's and the input's, against direct sums: `tests/nn_conv.rs`); its
+/// `conv2d`'s are right.
+fn conv1d_through_2d(x: &Tensor, w: &Tensor, c: &Conv1dConfig) -> Result<Tensor> {
+    let x = x.pad_with_zeros(2, c.padding, c.padding)?.unsqueeze(2)?;
+    let config = Conv2dConfig {
+        padding: 0,
+        stride: c.stride,
+        dilation: c.dilation,
+        groups: c.groups,
+        cudnn_fwd_algo: c.cudnn_fwd_algo,
+    };
+    conv2d_any_dtype(&x, &w.unsqueeze(2)?, &config)?.squeeze(2)
 }
 
 /// Adds the `(out)` bias along dim 1 of a rank-`rank` result in f32 and rounds the sum once to the

@@ -116,7 +116,7 @@ pub(crate) fn linear_bias(
     }
 }
 
-fn is_float(dtype: DType) -> bool {
+pub(super) fn is_float(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
 }
 
@@ -309,12 +309,12 @@ impl CustomOp2 for GemmOp {
 /// that is neither (a batch of data) gets none, as in PyTorch, where candle's own ops compute and store
 /// one anyway: for a model's first layer that is a whole product (`dX = dY W`) and a zero-filled sum
 /// of its size, for nothing.
-fn needs_gradient(t: &Tensor) -> bool {
+pub(super) fn needs_gradient(t: &Tensor) -> bool {
     t.track_op()
 }
 
 /// Hands a computed gradient to [`gradient_sink::deposit`]; `None` stays `None`.
-fn deposit(arg: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor>> {
+pub(super) fn deposit(arg: &Tensor, grad: Option<Tensor>) -> Result<Option<Tensor>> {
     grad.map_or(Ok(None), |grad| gradient_sink::deposit(arg, grad))
 }
 

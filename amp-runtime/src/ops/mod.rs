@@ -28,6 +28,7 @@
 //! ```
 
 mod column_sums;
+mod conv;
 mod elementwise;
 mod fp32;
 pub(crate) mod fused_softmax;
@@ -39,6 +40,7 @@ pub mod loss;
 mod promote;
 mod relu;
 
+pub(crate) use conv::{conv2d, ConvParams};
 pub use fp32::{
     cumsum, exp, log, log_softmax, mean, mean_all, mean_keepdim, norm, pow, softmax, std, sum, sum_all,
     sum_keepdim, var,

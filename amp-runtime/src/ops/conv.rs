@@ -1,0 +1,353 @@
+//! Convolutions on amp's CPU GEMM, as candle ops with a backward pass.
+//!
+//! Per image, the patches are unfolded into a columns matrix ([`amp_kernels::conv::unfold`], in the
+//! input's dtype) and one batched product over the groups, `W_g · columns_g`, writes the image's
+//! `(out, positions)` block of the result: no transpose of the output, and one image's columns in
+//! memory at a time. The backward runs the same GEMM:
+//! - `dW = sum over images of dY_b · columns_b^T`, the images' products accumulated into one f32 sum
+//!   (the columns unfolded again, not kept) and rounded once into the weight's dtype;
+//! - `dX_b = fold(W^T · dY_b)`: the columns' gradient in f32, folded back onto the image in f32
+//!   ([`amp_kernels::conv::fold`]) and rounded once into the input's dtype.
+//!
+//! Like [`super::matmul_to`], operands are rounded to the compute precision while packed and products
+//! summed in f32, so a bf16 or f16 convolution computes what a half kernel with f32 accumulation
+//! does, in the backward too.
+
+use amp_kernels::conv::{fold, unfold, ConvShape};
+use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
+use amp_kernels::{GradSlice, GradSliceMut};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+use super::gemm::{deposit, is_float, needs_gradient};
+use crate::dispatch::{self, compute_of, MatmulKernel};
+use crate::Precision;
+
+/// Zero padding, stride and dilation per spatial dimension (`[height, width]`), and the groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ConvParams {
+    pub padding: [usize; 2],
+    pub stride: [usize; 2],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+}
+
+/// `x (batch, in, h, w)` convolved with `w (out, in / groups, kh, kw)` on amp's GEMM: operands rounded
+/// to `compute`, products summed in f32, result `(batch, out, oh, ow)` in `out`. `None` when the
+/// dispatcher does not pick amp's GEMM (not a CPU, candle forced) or a dtype is not a float: the
+/// caller then uses candle's convolution.
+///
+/// # Errors
+/// On shapes that do not make a convolution (channels not divisible by the groups, a kernel larger
+/// than the padded input, ...), with the reason.
+pub(crate) fn conv2d(
+    x: &Tensor,
+    w: &Tensor,
+    params: ConvParams,
+    compute: Precision,
+    out: DType,
+) -> Result<Option<Tensor>> {
+    let geometry = Geometry::new(params, x.dims(), w.dims())?;
+    match dispatch::explain(x.device(), compute, geometry.product()).kernel {
+        MatmulKernel::Amp(path) if [x.dtype(), w.dtype(), out].into_iter().all(is_float) => {
+            let op = ConvOp { path, compute: compute_of(compute), params, out };
+            Ok(Some(x.contiguous()?.apply_op2(&w.contiguous()?, op)?))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// A convolution's sizes, checked: `x (batch, in, h, w)`, `w (out, in / groups, kh, kw)`.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    batch: usize,
+    outputs: usize,
+    groups: usize,
+    shape: ConvShape,
+    positions: usize,
+}
+
+impl Geometry {
+    fn new(params: ConvParams, x: &[usize], w: &[usize]) -> Result<Geometry> {
+        let (&[batch, channels, height, width], &[outputs, per_group, kh, kw]) = (x, w) else {
+            return Err(conv_error(format!("input {x:?} and kernel {w:?} must both have rank 4")));
+        };
+        let groups = params.groups;
+        if groups == 0 || channels % groups != 0 || outputs % groups != 0 || per_group * groups != channels {
+            return Err(conv_error(format!(
+                "input {x:?} and kernel {w:?} with {groups} groups: the input's and the kernel's channels \
+                 (dims 1 and 0) must divide by the groups, and the kernel's dim 1 be the input's \
+                 channels / groups"
+            )));
+        }
+        let shape = ConvShape {
+            channels,
+            height,
+            width,
+            kernel: [kh, kw],
+            padding: params.padding,
+            stride: params.stride,
+            dilation: params.dilation,
+        };
+        let Some([rows, cols]) = shape.output() else {
+            return Err(conv_error(format!(
+                "input {x:?}, kernel {w:?}, {params:?}: no output position (the dilated kernel is larger \
+                 than the padded input, or a stride or dilation is zero)"
+            )));
+        };
+        Ok(Geometry { batch, outputs, groups, shape, positions: rows * cols })
+    }
+
+    /// One group's product for one image: `(out / groups) x positions`, summing `patch / groups`.
+    fn product(&self) -> Dims {
+        Dims::new(self.outputs / self.groups, self.positions, self.group_patch())
+    }
+
+    /// Rows of the columns matrix per group.
+    fn group_patch(&self) -> usize {
+        self.shape.patch_len() / self.groups
+    }
+
+    /// The groups' products of one image, batched: `dims` with `groups` matrices.
+    fn batched(&self, dims: Dims) -> Dims {
+        Dims::batched(self.groups, dims.m, dims.n, dims.k)
+    }
+
+    fn output_shape(&self) -> Shape {
+        let [rows, cols] = self.shape.output().unwrap_or_default();
+        (self.batch, self.outputs, rows, cols).into()
+    }
+}
+
+fn conv_error(message: String) -> candle_core::Error {
+    candle_core::Error::Msg(format!("amp conv: {message}"))
+}
+
+/// The candle op: `x ⋆ w` per image, one batched GEMM over the groups.
+#[derive(Clone, Copy, Debug)]
+struct ConvOp {
+    path: GemmPath,
+    compute: Compute,
+    params: ConvParams,
+    out: DType,
+}
+
+impl CustomOp2 for ConvOp {
+    fn name(&self) -> &'static str {
+        "amp-conv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(self.params, l1.dims(), l2.dims())?;
+        let (x, w) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
+        let (image, block) = (g.shape.image_len(), g.outputs * g.positions);
+        let mut y = Buffer::zeros(self.out, g.batch * block)?;
+        let mut columns = Buffer::zeros(dtype_of(x), g.shape.patch_len() * g.positions)?;
+        let one = g.product();
+        for b in 0..g.batch {
+            unfold(&g.shape, sub(x, b * image, image), columns.as_mut()).map_err(candle_core::Error::wrap)?;
+            let a = MatRef::row_major(w, one.k).with_batch_stride(one.m * one.k);
+            let b_op = MatRef::row_major(columns.as_ref(), one.n).with_batch_stride(one.k * one.n);
+            let c = MatMut::row_major(y.range(b * block, block), one.n).with_batch_stride(one.m * one.n);
+            self.gemm(g.batched(one), a, b_op, c, Start::Zero)?;
+        }
+        Ok((y.into_storage(), g.output_shape()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let dx = needs_gradient(x)
+            .then(|| {
+                grad.apply_op2_no_bwd(w, &ConvInputGradient { op: *self, x: x.dims4()?, dtype: x.dtype() })
+            })
+            .transpose()?;
+        let dw = needs_gradient(w)
+            .then(|| {
+                x.apply_op2_no_bwd(&grad, &ConvWeightGradient { op: *self, w: w.dims4()? })?
+                    .to_dtype(w.dtype())
+            })
+            .transpose()?;
+        Ok((deposit(x, dx)?, deposit(w, dw)?))
+    }
+}
+
+impl ConvOp {
+    fn gemm(&self, dims: Dims, a: MatRef<'_>, b: MatRef<'_>, c: MatMut<'_>, start: Start<'_>) -> Result<()> {
+        gemm_with(self.path, dims, a, b, c, self.compute, start).map_err(candle_core::Error::wrap)
+    }
+}
+
+/// `dX` from `(dY, W)`: per image, `W_g^T · dY_g` into f32 columns, folded onto the image.
+struct ConvInputGradient {
+    op: ConvOp,
+    /// The input's dims and dtype.
+    x: (usize, usize, usize, usize),
+    dtype: DType,
+}
+
+impl CustomOp2 for ConvInputGradient {
+    fn name(&self) -> &'static str {
+        "amp-conv-input-gradient"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x_dims = [self.x.0, self.x.1, self.x.2, self.x.3];
+        let g = Geometry::new(self.op.params, &x_dims, l2.dims())?;
+        let (dy, w) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
+        let (image, block) = (g.shape.image_len(), g.outputs * g.positions);
+        let mut dx = Buffer::zeros(self.dtype, g.batch * image)?;
+        let mut columns = vec![0.0f32; g.shape.patch_len() * g.positions];
+        let one = g.product();
+        // Per group: (patch x out) · (out x positions); W_g read transposed where it lies.
+        let dims = Dims::new(one.k, one.n, one.m);
+        for b in 0..g.batch {
+            let w_t = MatRef { data: w, row_stride: 1, col_stride: one.k, batch_stride: one.m * one.k };
+            let dy_b = MatRef::row_major(sub(dy, b * block, block), one.n).with_batch_stride(one.m * one.n);
+            let c = MatMut::row_major(&mut columns[..], one.n).with_batch_stride(one.k * one.n);
+            self.op.gemm(g.batched(dims), w_t, dy_b, c, Start::Zero)?;
+            fold(&g.shape, &columns, dx.range(b * image, image)).map_err(candle_core::Error::wrap)?;
+        }
+        Ok((dx.into_storage(), Shape::from(self.x)))
+    }
+}
+
+/// `dW` (f32) from `(x, dY)`: the images' `dY_g · columns_g^T` summed into one f32 accumulator.
+struct ConvWeightGradient {
+    op: ConvOp,
+    /// The kernel's dims.
+    w: (usize, usize, usize, usize),
+}
+
+impl CustomOp2 for ConvWeightGradient {
+    fn name(&self) -> &'static str {
+        "amp-conv-weight-gradient"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let w_dims = [self.w.0, self.w.1, self.w.2, self.w.3];
+        let g = Geometry::new(self.op.params, l1.dims(), &w_dims)?;
+        let (x, dy) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
+        let (image, block) = (g.shape.image_len(), g.outputs * g.positions);
+        let mut dw = vec![0.0f32; g.outputs * g.group_patch()];
+        let mut columns = Buffer::zeros(dtype_of(x), g.shape.patch_len() * g.positions)?;
+        let one = g.product();
+        // Per group: (out x positions) · (positions x patch); the columns read transposed.
+        let dims = Dims::new(one.m, one.k, one.n);
+        for b in 0..g.batch {
+            unfold(&g.shape, sub(x, b * image, image), columns.as_mut()).map_err(candle_core::Error::wrap)?;
+            let dy_b = MatRef::row_major(sub(dy, b * block, block), one.n).with_batch_stride(one.m * one.n);
+            let columns_t = MatRef {
+                data: columns.as_ref(),
+                row_stride: 1,
+                col_stride: one.n,
+                batch_stride: one.k * one.n,
+            };
+            let c = MatMut::row_major(&mut dw[..], one.k).with_batch_stride(one.m * one.k);
+            let start = if b == 0 { Start::Zero } else { Start::Output };
+            self.op.gemm(g.batched(dims), dy_b, columns_t, c, start)?;
+        }
+        Ok((CpuStorage::F32(dw), Shape::from(self.w)))
+    }
+}
+
+/// A contiguous float tensor's elements.
+fn contiguous<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<GradSlice<'a>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(conv_error("operands must be contiguous".into()));
+    };
+    Ok(match storage {
+        CpuStorage::F32(v) => v[start..end].into(),
+        CpuStorage::F16(v) => v[start..end].into(),
+        CpuStorage::BF16(v) => v[start..end].into(),
+        other => {
+            return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp conv (f32, f16, bf16)"))
+        }
+    })
+}
+
+/// Elements `start..start + len`.
+fn sub(s: GradSlice<'_>, start: usize, len: usize) -> GradSlice<'_> {
+    s.split_at(start).1.split_at(len).0
+}
+
+fn dtype_of(s: GradSlice<'_>) -> DType {
+    match s {
+        GradSlice::F32(_) => DType::F32,
+        GradSlice::F16(_) => DType::F16,
+        GradSlice::Bf16(_) => DType::BF16,
+    }
+}
+
+/// A zeroed buffer of f32, f16 or bf16 that becomes a tensor's storage.
+enum Buffer {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+}
+
+impl Buffer {
+    fn zeros(dtype: DType, len: usize) -> Result<Buffer> {
+        Ok(match dtype {
+            DType::F32 => Buffer::F32(vec![0.0; len]),
+            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
+            DType::BF16 => Buffer::Bf16(vec![bf16::ZERO; len]),
+            other => {
+                return Err(candle_core::Error::UnsupportedDTypeForOp(other, "amp conv (f32, f16, bf16)"))
+            }
+        })
+    }
+
+    fn as_ref(&self) -> GradSlice<'_> {
+        match self {
+            Buffer::F32(v) => v[..].into(),
+            Buffer::F16(v) => v[..].into(),
+            Buffer::Bf16(v) => v[..].into(),
+        }
+    }
+
+    fn as_mut(&mut self) -> GradSliceMut<'_> {
+        match self {
+            Buffer::F32(v) => (&mut v[..]).into(),
+            Buffer::F16(v) => (&mut v[..]).into(),
+            Buffer::Bf16(v) => (&mut v[..]).into(),
+        }
+    }
+
+    /// Elements `start..start + len`.
+    fn range(&mut self, start: usize, len: usize) -> GradSliceMut<'_> {
+        self.as_mut().split_at(start).1.split_at(len).0
+    }
+
+    fn into_storage(self) -> CpuStorage {
+        match self {
+            Buffer::F32(v) => CpuStorage::F32(v),
+            Buffer::F16(v) => CpuStorage::F16(v),
+            Buffer::Bf16(v) => CpuStorage::BF16(v),
+        }
+    }
+}

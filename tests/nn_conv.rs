@@ -1,0 +1,330 @@
+//! `amp::nn` convolutions: forward and gradients in fp32, fp16 and bf16 against direct sums in f64, on
+//! amp's GEMM (im2col) and with candle's kernel forced; loading from candle-nn's constructors.
+//!
+//! The reference is a direct sum over every kernel tap in f64, not candle's convolution: candle 0.11.1's
+//! CPU `conv1d` returns wrong gradients for a batch of more than one image (the first test shows it).
+//!
+//! Tolerances (normwise relative, `common::tolerance`): inputs and weights are f32 (O1: the layer casts
+//! at use). A convolution's forward rounds the input and the weight to the compute format, the
+//! f32-accumulated result once, and the result plus the f32 bias once more: 4 roundings of `u` (2^-24
+//! fp32, 2^-11 fp16, 2^-8 bf16). Each gradient passes 3 rounded operands: the upstream gradient, the
+//! other operand, the result (the bias gradient only the first). Safety factor 4: a sum of products with
+//! cancelling terms amplifies relative operand errors by `|W||x| / |W x|`, measured 1-2 on these random
+//! data.
+
+mod common;
+
+use amp::dispatch::{with_override, Override};
+use amp::nn::{conv1d, conv2d, Conv1d, Conv1dConfig, Conv2d, Conv2dConfig};
+use amp::{Layer, LayerPrecision, Param, Precision};
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+fn in_precision(compute: Precision) -> LayerPrecision {
+    LayerPrecision { compute, output: None }
+}
+
+/// Zero padding, stride and dilation per spatial dimension (`[height, width]`) and groups.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    padding: [usize; 2],
+    stride: [usize; 2],
+    dilation: [usize; 2],
+    groups: usize,
+}
+
+impl From<Conv2dConfig> for Geometry {
+    fn from(c: Conv2dConfig) -> Self {
+        Geometry {
+            padding: [c.padding; 2],
+            stride: [c.stride; 2],
+            dilation: [c.dilation; 2],
+            groups: c.groups,
+        }
+    }
+}
+
+impl From<Conv1dConfig> for Geometry {
+    fn from(c: Conv1dConfig) -> Self {
+        Geometry {
+            padding: [0, c.padding],
+            stride: [1, c.stride],
+            dilation: [1, c.dilation],
+            groups: c.groups,
+        }
+    }
+}
+
+/// `y = x ⋆ w + bias` for `x (n, c, h, w)` and `w (o, c / groups, kh, kw)`, and the gradients of
+/// `sum(y * r)` (`r` as `common::value_and_grads` draws it) for x, w and bias, each a direct sum in f64.
+fn direct(x: &Tensor, w: &Tensor, bias: &Tensor, g: Geometry) -> Result<(Tensor, [Tensor; 3])> {
+    let (n, c, h, wd) = x.dims4()?;
+    let (o, cg, kh, kw) = w.dims4()?;
+    let og = o / g.groups;
+    let out = |d: usize, size: usize, k: usize| {
+        (size + 2 * g.padding[d] - g.dilation[d] * (k - 1) - 1) / g.stride[d] + 1
+    };
+    let (oh, ow) = (out(0, h, kh), out(1, wd, kw));
+    let flat = |t: &Tensor| t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>();
+    let (xv, wv, bv) = (flat(x)?, flat(w)?, flat(bias)?);
+    let r = flat(&common::randn_in(99, &[n, o, oh, ow], 1.0, DType::F32)?)?;
+    let (mut y, mut dx, mut dw, mut db) =
+        (vec![0.0; r.len()], vec![0.0; xv.len()], vec![0.0; wv.len()], vec![0.0; o]);
+    let source = |d: usize, at: usize, tap: usize, size: usize| {
+        (at * g.stride[d] + tap * g.dilation[d]).checked_sub(g.padding[d]).filter(|&v| v < size)
+    };
+    for b in 0..n {
+        for oc in 0..o {
+            for (yy, xx) in (0..oh).flat_map(|yy| (0..ow).map(move |xx| (yy, xx))) {
+                let at = ((b * o + oc) * oh + yy) * ow + xx;
+                let mut sum = bv[oc];
+                for (ci, i, j) in
+                    (0..cg).flat_map(|ci| (0..kh).flat_map(move |i| (0..kw).map(move |j| (ci, i, j))))
+                {
+                    let (Some(sy), Some(sx)) = (source(0, yy, i, h), source(1, xx, j, wd)) else { continue };
+                    let xi = ((b * c + oc / og * cg + ci) * h + sy) * wd + sx;
+                    let wi = ((oc * cg + ci) * kh + i) * kw + j;
+                    sum += xv[xi] * wv[wi];
+                    dx[xi] += r[at] * wv[wi];
+                    dw[wi] += r[at] * xv[xi];
+                }
+                y[at] = sum;
+                db[oc] += r[at];
+            }
+        }
+    }
+    let cpu = &Device::Cpu;
+    Ok((
+        Tensor::from_vec(y, (n, o, oh, ow), cpu)?,
+        [
+            Tensor::from_vec(dx, x.dims(), cpu)?,
+            Tensor::from_vec(dw, w.dims(), cpu)?,
+            Tensor::from_vec(db, o, cpu)?,
+        ],
+    ))
+}
+
+/// The layer's output and gradients against the direct sums, in `precision`.
+fn assert_matches_direct(
+    what: &str,
+    (y, grads): (Tensor, Vec<Tensor>),
+    (y_ref, grads_ref): &(Tensor, [Tensor; 3]),
+    precision: Precision,
+) -> Result<()> {
+    let y_ref = y_ref.reshape(y.dims())?;
+    let dtype = precision.dtype();
+    let err = common::assert_close(&format!("{what} forward"), &y, &y_ref, common::tolerance(dtype, 4, 4.0))?;
+    if precision != Precision::Fp32 {
+        assert!(err > common::unit_roundoff(dtype) / 8.0, "{what}: no sign of half rounding");
+    }
+    for (name, (grad, expected)) in ["x", "weight", "bias"].iter().zip(grads.iter().zip(grads_ref)) {
+        let expected = expected.reshape(grad.dims())?;
+        common::assert_close(
+            &format!("{what} grad {name}"),
+            grad,
+            &expected,
+            common::tolerance(dtype, 3, 4.0),
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn candle_conv1d_gradients_are_wrong_for_batches_where_a_direct_sum_and_amp_agree() -> Result<()> {
+    let x = common::randn_in(4, &[3, 5, 20], 1.0, DType::F32)?;
+    let w = common::randn_in(5, &[7, 5, 3], 0.3, DType::F32)?;
+    let b = Tensor::zeros(7, DType::F32, &Device::Cpu)?;
+    let reference = direct(&x.unsqueeze(2)?, &w.unsqueeze(2)?, &b, Conv1dConfig::default().into())?;
+    let candle = common::value_and_grads(|t| t[0].conv1d(&t[1], 0, 1, 1, 1), &[x.clone(), w.clone()])?;
+    let dw = reference.1[1].squeeze(2)?.to_dtype(DType::F32)?;
+    let candle_error = common::relative_error(&candle.1[1], &dw)?;
+    assert!(candle_error > 0.5, "candle 0.11.1's conv1d kernel gradient is off by {candle_error:.2}: fixed?");
+    let layer =
+        |t: &[Tensor]| Conv1d::new(Param::from_tensor(&t[1])?, None, Conv1dConfig::default()).forward(&t[0]);
+    let (_, grads) = common::value_and_grads(layer, &[x, w])?;
+    common::assert_close("amp conv1d grad weight", &grads[1], &dw, common::tolerance(DType::F32, 3, 4.0))?;
+    Ok(())
+}
+
+fn conv2d_configs() -> [Conv2dConfig; 3] {
+    [
+        Conv2dConfig { padding: 1, stride: 2, ..Default::default() },
+        Conv2dConfig { padding: 2, dilation: 2, groups: 2, ..Default::default() },
+        Conv2dConfig::default(),
+    ]
+}
+
+#[test]
+fn conv2d_matches_direct_sums_in_every_precision_forward_and_backward() -> Result<()> {
+    for (config, image) in conv2d_configs().into_iter().zip([[2, 4, 9, 9], [3, 4, 8, 11], [2, 4, 5, 13]]) {
+        let inputs = [
+            common::randn_in(1, &image, 1.0, DType::F32)?,
+            common::randn_in(2, &[6, 4 / config.groups, 3, 3], 0.3, DType::F32)?,
+            common::randn_in(3, &[6], 0.5, DType::F32)?,
+        ];
+        let reference = direct(&inputs[0], &inputs[1], &inputs[2], config.into())?;
+        for precision in Precision::ALL {
+            let layer = |t: &[Tensor]| {
+                let mut conv =
+                    Conv2d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config);
+                conv.set_precision(in_precision(precision));
+                conv.forward(&t[0])
+            };
+            let result = common::value_and_grads(layer, &inputs)?;
+            assert_eq!(result.0.dtype(), DType::F32, "output returns in the input's dtype");
+            let what = format!("conv2d {precision} {config:?}");
+            assert_matches_direct(&what, result, &reference, precision)?;
+        }
+    }
+    Ok(())
+}
+
+fn conv1d_configs() -> [Conv1dConfig; 3] {
+    [
+        Conv1dConfig { padding: 1, dilation: 2, ..Default::default() },
+        Conv1dConfig { padding: 2, stride: 3, groups: 5, ..Default::default() },
+        Conv1dConfig::default(),
+    ]
+}
+
+#[test]
+fn conv1d_matches_direct_sums_in_every_precision_forward_and_backward() -> Result<()> {
+    for config in conv1d_configs() {
+        let inputs = [
+            common::randn_in(4, &[3, 5, 20], 1.0, DType::F32)?,
+            common::randn_in(5, &[10, 5 / config.groups, 3], 0.3, DType::F32)?,
+            common::randn_in(6, &[10], 0.5, DType::F32)?,
+        ];
+        let reference =
+            direct(&inputs[0].unsqueeze(2)?, &inputs[1].unsqueeze(2)?, &inputs[2], config.into())?;
+        for precision in Precision::ALL {
+            let layer = |t: &[Tensor]| {
+                let mut conv =
+                    Conv1d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config);
+                conv.set_precision(in_precision(precision));
+                conv.forward(&t[0])
+            };
+            let result = common::value_and_grads(layer, &inputs)?;
+            assert_matches_direct(&format!("conv1d {precision} {config:?}"), result, &reference, precision)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn with_candles_kernel_forced_convolutions_still_match_the_direct_sums() -> Result<()> {
+    let x2 = common::randn_in(1, &[2, 4, 9, 9], 1.0, DType::F32)?;
+    let x1 = common::randn_in(4, &[3, 5, 20], 1.0, DType::F32)?;
+    let config2 = conv2d_configs()[1];
+    let config1 = conv1d_configs()[0];
+    let inputs2 = [
+        x2,
+        common::randn_in(2, &[6, 2, 3, 3], 0.3, DType::F32)?,
+        common::randn_in(3, &[6], 0.5, DType::F32)?,
+    ];
+    let inputs1 = [
+        x1,
+        common::randn_in(5, &[10, 5, 3], 0.3, DType::F32)?,
+        common::randn_in(6, &[10], 0.5, DType::F32)?,
+    ];
+    let reference2 = direct(&inputs2[0], &inputs2[1], &inputs2[2], config2.into())?;
+    let reference1 =
+        direct(&inputs1[0].unsqueeze(2)?, &inputs1[1].unsqueeze(2)?, &inputs1[2], config1.into())?;
+    with_override(Override::Candle, || -> Result<()> {
+        // candle has no CPU bf16 conv2d (the layer's exact f32 path) and a wrong conv1d backward (the
+        // layer's 2-d route): both must still be right.
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let layer2 = |t: &[Tensor]| {
+                let mut conv =
+                    Conv2d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config2);
+                conv.set_precision(in_precision(precision));
+                conv.forward(&t[0])
+            };
+            let result = common::value_and_grads(layer2, &inputs2)?;
+            assert_matches_direct(&format!("candle conv2d {precision}"), result, &reference2, precision)?;
+            let layer1 = |t: &[Tensor]| {
+                let mut conv =
+                    Conv1d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config1);
+                conv.set_precision(in_precision(precision));
+                conv.forward(&t[0])
+            };
+            let result = common::value_and_grads(layer1, &inputs1)?;
+            assert_matches_direct(&format!("candle conv1d {precision}"), result, &reference1, precision)?;
+        }
+        Ok(())
+    })
+    .expect("candle can always be forced")
+}
+
+#[test]
+fn candle_conv2d_refuses_bf16_on_cpu() -> Result<()> {
+    let x = common::randn_in(1, &[2, 4, 8, 8], 1.0, DType::BF16)?;
+    let w = common::randn_in(2, &[6, 4, 3, 3], 0.2, DType::BF16)?;
+    let err = x.conv2d(&w, 1, 1, 1, 1).expect_err("candle 0.11 has no CPU bf16 conv2d");
+    assert!(err.to_string().contains("unsupported dtype BF16"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn convolutions_accumulate_in_f32_in_both_half_formats() -> Result<()> {
+    // 2304 = 256 channels x 3 x 3 products of 1 x 1: representable in fp16 and bf16, but an accumulator in
+    // either format would stall (at 2048 in fp16, 256 in bf16), as candle's half sums do.
+    for half in [Precision::Fp16, Precision::Bf16] {
+        let mut conv = Conv2d::new(
+            Param::from_tensor(&Tensor::ones((1, 256, 3, 3), DType::F32, &Device::Cpu)?)?,
+            None,
+            Default::default(),
+        );
+        conv.set_precision(in_precision(half));
+        let y = conv.forward(&Tensor::ones((1, 256, 3, 3), half.dtype(), &Device::Cpu)?)?;
+        assert_eq!(y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, [2304.0], "conv2d {half}");
+        let mut conv = Conv1d::new(
+            Param::from_tensor(&Tensor::ones((1, 768, 3), DType::F32, &Device::Cpu)?)?,
+            None,
+            Default::default(),
+        );
+        conv.set_precision(in_precision(half));
+        let y = conv.forward(&Tensor::ones((1, 768, 3), half.dtype(), &Device::Cpu)?)?;
+        assert_eq!(y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, [2304.0], "conv1d {half}");
+    }
+    Ok(())
+}
+
+#[test]
+fn convs_load_what_candle_nn_constructors_create_and_match_them_in_f32() -> Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let x = common::randn_in(7, &[2, 4, 9, 9], 1.0, DType::F32)?;
+    let tolerance = common::tolerance(DType::F32, 2, 4.0);
+    for (i, config) in conv2d_configs().into_iter().enumerate() {
+        let theirs = candle_nn::conv2d(4, 6, 3, config, vb.pp(format!("c2_{i}")))?;
+        let ours = conv2d(4, 6, 3, config, vb.pp(format!("c2_{i}")))?;
+        let expected = theirs.forward(&x)?;
+        common::assert_close(&format!("conv2d {i}"), &ours.forward(&x)?, &expected, tolerance)?;
+        // candle's own kernel, forced: the same values bit for bit.
+        let forced = with_override(Override::Candle, || ours.forward(&x)).expect("candle can be forced")?;
+        assert_eq!(forced.flatten_all()?.to_vec1::<f32>()?, expected.flatten_all()?.to_vec1::<f32>()?);
+        let theirs = candle_nn::conv2d_no_bias(4, 6, 3, config, vb.pp(format!("n2_{i}")))?;
+        let ours = amp::nn::conv2d_no_bias(4, 6, 3, config, vb.pp(format!("n2_{i}")))?;
+        common::assert_close(
+            &format!("conv2d {i} no bias"),
+            &ours.forward(&x)?,
+            &theirs.forward(&x)?,
+            tolerance,
+        )?;
+    }
+    let config = Conv1dConfig { padding: 1, ..Default::default() };
+    let theirs = candle_nn::conv1d(5, 7, 3, config, vb.pp("c1"))?;
+    let ours = conv1d(5, 7, 3, config, vb.pp("c1"))?;
+    let x = common::randn_in(8, &[3, 5, 20], 1.0, DType::F32)?;
+    common::assert_close("conv1d", &ours.forward(&x)?, &theirs.forward(&x)?, tolerance)?;
+    let names: Vec<&str> = ours.params().iter().map(|(name, _)| *name).collect();
+    assert_eq!(names, ["weight", "bias"]);
+    let stored = varmap.data().lock().unwrap().get("c1.weight").cloned().expect("c1.weight in the VarMap");
+    assert_eq!(
+        ours.weight().trainable().as_tensor().id(),
+        stored.as_tensor().id(),
+        "shares the VarMap's variable"
+    );
+    Ok(())
+}
