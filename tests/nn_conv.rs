@@ -156,10 +156,14 @@ fn conv2d_configs() -> [Conv2dConfig; 3] {
 
 #[test]
 fn conv2d_matches_direct_sums_in_every_precision_forward_and_backward() -> Result<()> {
-    for (config, image) in conv2d_configs().into_iter().zip([[2, 4, 9, 9], [3, 4, 8, 11], [2, 4, 5, 13]]) {
+    // The last: a 1 x 1 kernel, whose image is its own columns matrix (no unfold, no fold).
+    let cases = conv2d_configs().into_iter().chain([Conv2dConfig::default()]);
+    for (config, (image, k)) in
+        cases.zip([([2, 4, 9, 9], 3), ([3, 4, 8, 11], 3), ([2, 4, 5, 13], 3), ([3, 4, 5, 7], 1)])
+    {
         let inputs = [
             common::randn_in(1, &image, 1.0, DType::F32)?,
-            common::randn_in(2, &[6, 4 / config.groups, 3, 3], 0.3, DType::F32)?,
+            common::randn_in(2, &[6, 4 / config.groups, k, k], 0.3, DType::F32)?,
             common::randn_in(3, &[6], 0.5, DType::F32)?,
         ];
         let reference = direct(&inputs[0], &inputs[1], &inputs[2], config.into())?;
@@ -172,7 +176,7 @@ fn conv2d_matches_direct_sums_in_every_precision_forward_and_backward() -> Resul
             };
             let result = common::value_and_grads(layer, &inputs)?;
             assert_eq!(result.0.dtype(), DType::F32, "output returns in the input's dtype");
-            let what = format!("conv2d {precision} {config:?}");
+            let what = format!("conv2d {precision} {config:?} kernel {k}");
             assert_matches_direct(&what, result, &reference, precision)?;
         }
     }
@@ -189,10 +193,11 @@ fn conv1d_configs() -> [Conv1dConfig; 3] {
 
 #[test]
 fn conv1d_matches_direct_sums_in_every_precision_forward_and_backward() -> Result<()> {
-    for config in conv1d_configs() {
+    let cases = conv1d_configs().into_iter().zip([3, 3, 3]).chain([(Conv1dConfig::default(), 1)]);
+    for (config, k) in cases {
         let inputs = [
             common::randn_in(4, &[3, 5, 20], 1.0, DType::F32)?,
-            common::randn_in(5, &[10, 5 / config.groups, 3], 0.3, DType::F32)?,
+            common::randn_in(5, &[10, 5 / config.groups, k], 0.3, DType::F32)?,
             common::randn_in(6, &[10], 0.5, DType::F32)?,
         ];
         let reference =
@@ -205,7 +210,8 @@ fn conv1d_matches_direct_sums_in_every_precision_forward_and_backward() -> Resul
                 conv.forward(&t[0])
             };
             let result = common::value_and_grads(layer, &inputs)?;
-            assert_matches_direct(&format!("conv1d {precision} {config:?}"), result, &reference, precision)?;
+            let what = format!("conv1d {precision} {config:?} kernel {k}");
+            assert_matches_direct(&what, result, &reference, precision)?;
         }
     }
     Ok(())

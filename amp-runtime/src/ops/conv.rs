@@ -3,7 +3,7 @@
 //! Per image, the patches are unfolded into a columns matrix ([`amp_kernels::conv::unfold`], in the
 //! input's dtype) and one batched product over the groups, `W_g · columns_g`, writes the image's
 //! `(out, positions)` block of the result: no transpose of the output, and one image's columns in
-//! memory at a time. The backward runs the same GEMM:
+//! memory at a time. A 1 x 1 kernel at stride 1 without padding reads the image as its columns. The backward runs the same GEMM:
 //! - `dW = sum over images of dY_b · columns_b^T`, the images' products accumulated into one f32 sum
 //!   (the columns unfolded again, not kept) and rounded once into the weight's dtype;
 //! - `dX_b = fold(W^T · dY_b)`: the columns' gradient in f32, folded back onto the image in f32
@@ -104,6 +104,30 @@ impl Geometry {
         Dims::new(self.outputs / self.groups, self.positions, self.group_patch())
     }
 
+    /// A 1 x 1 kernel at stride 1 without padding: the image is its own columns matrix (no unfold),
+    /// and the columns' gradient the image's (no fold).
+    fn is_pointwise(&self) -> bool {
+        let s = &self.shape;
+        s.kernel == [1, 1] && s.stride == [1, 1] && s.padding == [0, 0]
+    }
+
+    /// The columns matrix of image `b` of `x`: the image itself when pointwise, else unfolded into
+    /// `columns`.
+    fn columns<'a>(&self, x: GradSlice<'a>, b: usize, columns: &'a mut Buffer) -> Result<GradSlice<'a>> {
+        let image = sub(x, b * self.shape.image_len(), self.shape.image_len());
+        if self.is_pointwise() {
+            return Ok(image);
+        }
+        unfold(&self.shape, image, columns.as_mut()).map_err(candle_core::Error::wrap)?;
+        Ok(columns.as_ref())
+    }
+
+    /// A buffer for one image's columns matrix in `dtype` (empty when pointwise).
+    fn columns_buffer(&self, dtype: DType) -> Result<Buffer> {
+        let len = if self.is_pointwise() { 0 } else { self.shape.patch_len() * self.positions };
+        Buffer::zeros(dtype, len)
+    }
+
     /// Rows of the columns matrix per group.
     fn group_patch(&self) -> usize {
         self.shape.patch_len() / self.groups
@@ -147,14 +171,14 @@ impl CustomOp2 for ConvOp {
     ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::new(self.params, l1.dims(), l2.dims())?;
         let (x, w) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        let (image, block) = (g.shape.image_len(), g.outputs * g.positions);
+        let block = g.outputs * g.positions;
         let mut y = Buffer::zeros(self.out, g.batch * block)?;
-        let mut columns = Buffer::zeros(dtype_of(x), g.shape.patch_len() * g.positions)?;
+        let mut columns = g.columns_buffer(dtype_of(x))?;
         let one = g.product();
         for b in 0..g.batch {
-            unfold(&g.shape, sub(x, b * image, image), columns.as_mut()).map_err(candle_core::Error::wrap)?;
+            let columns = g.columns(x, b, &mut columns)?;
             let a = MatRef::row_major(w, one.k).with_batch_stride(one.m * one.k);
-            let b_op = MatRef::row_major(columns.as_ref(), one.n).with_batch_stride(one.k * one.n);
+            let b_op = MatRef::row_major(columns, one.n).with_batch_stride(one.k * one.n);
             let c = MatMut::row_major(y.range(b * block, block), one.n).with_batch_stride(one.m * one.n);
             self.gemm(g.batched(one), a, b_op, c, Start::Zero)?;
         }
@@ -215,13 +239,20 @@ impl CustomOp2 for ConvInputGradient {
         let (dy, w) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
         let (image, block) = (g.shape.image_len(), g.outputs * g.positions);
         let mut dx = Buffer::zeros(self.dtype, g.batch * image)?;
-        let mut columns = vec![0.0f32; g.shape.patch_len() * g.positions];
+        let mut columns =
+            if g.is_pointwise() { Vec::new() } else { vec![0.0f32; g.shape.patch_len() * g.positions] };
         let one = g.product();
         // Per group: (patch x out) · (out x positions); W_g read transposed where it lies.
         let dims = Dims::new(one.k, one.n, one.m);
         for b in 0..g.batch {
             let w_t = MatRef { data: w, row_stride: 1, col_stride: one.k, batch_stride: one.m * one.k };
             let dy_b = MatRef::row_major(sub(dy, b * block, block), one.n).with_batch_stride(one.m * one.n);
+            if g.is_pointwise() {
+                // The columns' gradient is the image's: written (rounded once) straight into dX.
+                let c = MatMut::row_major(dx.range(b * image, image), one.n).with_batch_stride(one.k * one.n);
+                self.op.gemm(g.batched(dims), w_t, dy_b, c, Start::Zero)?;
+                continue;
+            }
             let c = MatMut::row_major(&mut columns[..], one.n).with_batch_stride(one.k * one.n);
             self.op.gemm(g.batched(dims), w_t, dy_b, c, Start::Zero)?;
             fold(&g.shape, &columns, dx.range(b * image, image)).map_err(candle_core::Error::wrap)?;
@@ -252,21 +283,17 @@ impl CustomOp2 for ConvWeightGradient {
         let w_dims = [self.w.0, self.w.1, self.w.2, self.w.3];
         let g = Geometry::new(self.op.params, l1.dims(), &w_dims)?;
         let (x, dy) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        let (image, block) = (g.shape.image_len(), g.outputs * g.positions);
+        let block = g.outputs * g.positions;
         let mut dw = vec![0.0f32; g.outputs * g.group_patch()];
-        let mut columns = Buffer::zeros(dtype_of(x), g.shape.patch_len() * g.positions)?;
+        let mut columns = g.columns_buffer(dtype_of(x))?;
         let one = g.product();
         // Per group: (out x positions) · (positions x patch); the columns read transposed.
         let dims = Dims::new(one.m, one.k, one.n);
         for b in 0..g.batch {
-            unfold(&g.shape, sub(x, b * image, image), columns.as_mut()).map_err(candle_core::Error::wrap)?;
+            let columns = g.columns(x, b, &mut columns)?;
             let dy_b = MatRef::row_major(sub(dy, b * block, block), one.n).with_batch_stride(one.m * one.n);
-            let columns_t = MatRef {
-                data: columns.as_ref(),
-                row_stride: 1,
-                col_stride: one.n,
-                batch_stride: one.k * one.n,
-            };
+            let columns_t =
+                MatRef { data: columns, row_stride: 1, col_stride: one.n, batch_stride: one.k * one.n };
             let c = MatMut::row_major(&mut dw[..], one.k).with_batch_stride(one.m * one.k);
             let start = if b == 0 { Start::Zero } else { Start::Output };
             self.op.gemm(g.batched(dims), dy_b, columns_t, c, start)?;
