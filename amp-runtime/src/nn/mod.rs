@@ -6,7 +6,8 @@
 //! Matmul-class layers ([`Linear`], [`Embedding`]) are [`crate::HalfSafe`]; norms ([`LayerNorm`],
 //! [`RmsNorm`]) compute their statistics in fp32 and are pinned there.
 //!
-//! Also: [`Conv1d`] and [`Conv2d`] (half-safe; bf16 works on CPU, where candle's own conv2d refuses it),
+//! Also: [`Conv1d`] and [`Conv2d`] (half-safe; on the CPU im2col + amp's GEMM with a backward through
+//! it, bf16 included, where candle's own conv2d refuses bf16),
 //! [`BatchNorm`] and [`GroupNorm`] (pinned fp32; BatchNorm's running statistics are f32 buffers),
 //! [`Dropout`] (half-safe, no parameters), and the composite [`MultiHeadAttention`] (half-safe; its
 //! softmax runs in f32).
