@@ -130,8 +130,11 @@ pub enum ConvError {
         /// The slice's length.
         got: usize,
     },
-    /// [`unfold`] copies elements: the image and the columns must share a dtype.
-    #[error("im2col copies elements: the image is {image:?} but the columns are {columns:?}")]
+    /// [`unfold`] copies elements, or rounds f32 to a half type: other pairs of dtypes are refused.
+    #[error(
+        "im2col copies elements or rounds f32 to f16 / bf16: the image is {image:?} but the columns are \
+         {columns:?}"
+    )]
     Dtype {
         /// The image's dtype.
         image: Dtype,
@@ -142,16 +145,21 @@ pub enum ConvError {
 
 /// Writes the columns matrix of one image (`channels x height x width`, contiguous):
 /// `columns[(c, i, j)][(oh, ow)] = image[c][oh * stride + i * dilation - pad][ow * stride + j *
-/// dilation - pad]`, zero where that falls in the padding. Channels run in parallel.
+/// dilation - pad]`, zero where that falls in the padding. An f32 image is rounded to f16 or bf16
+/// columns on the way (`half`'s rounding, bit for bit), so a half convolution of f32 activations
+/// needs no cast pass; other pairs must share a dtype. Channels run in parallel.
 ///
 /// # Errors
-/// [`ConvError`] when the shape has no output, a length does not match it, or the dtypes differ.
+/// [`ConvError`] when the shape has no output, a length does not match it, or the dtypes are neither
+/// equal nor f32 to a half type.
 pub fn unfold(shape: &ConvShape, image: GradSlice<'_>, columns: GradSliceMut<'_>) -> Result<(), ConvError> {
     let output = shape.check(image.len(), columns.len())?;
     match (image, columns) {
         (GradSlice::F32(x), GradSliceMut::F32(c)) => unfold_typed(shape, output, x, c),
         (GradSlice::F16(x), GradSliceMut::F16(c)) => unfold_typed(shape, output, x, c),
         (GradSlice::Bf16(x), GradSliceMut::Bf16(c)) => unfold_typed(shape, output, x, c),
+        (GradSlice::F32(x), GradSliceMut::F16(c)) => unfold_rounded(shape, output, x, c),
+        (GradSlice::F32(x), GradSliceMut::Bf16(c)) => unfold_rounded(shape, output, x, c),
         (x, c) => return Err(ConvError::Dtype { image: x.dtype(), columns: c.dtype() }),
     }
     Ok(())
@@ -199,59 +207,89 @@ impl Line {
     }
 }
 
+/// [`unfold`] for an image and columns of one dtype: each channel straight from the image.
 fn unfold_typed<T: Copy + Default + Send + Sync>(
     shape: &ConvShape,
-    [rows, cols]: [usize; 2],
+    output: [usize; 2],
     image: &[T],
     columns: &mut [T],
 ) {
-    let plane = shape.height * shape.width;
-    let taps = shape.kernel[0] * shape.kernel[1];
-    let per_channel = taps * rows * cols;
-    if per_channel == 0 || plane == 0 {
+    let Some((plane, per_channel)) = channel_sizes(shape, output) else {
         columns.fill(T::default());
         return;
-    }
-    columns.par_chunks_mut(per_channel).zip(image.par_chunks(plane)).for_each(|(channel, plane)| {
-        for (tap, row) in channel.chunks_exact_mut(rows * cols).enumerate() {
-            let (i, j) = (tap / shape.kernel[1], tap % shape.kernel[1]);
-            let line = Line {
-                width: shape.width,
-                offset: j * shape.dilation[1],
-                pad: shape.padding[1],
-                stride: shape.stride[1],
-            };
-            let (first, end) = line.inside(cols);
-            for (oh, out) in row.chunks_exact_mut(cols).enumerate() {
-                // Wraps to a huge row above the image: outside, as below it.
-                let h = (oh * shape.stride[0] + i * shape.dilation[0]).wrapping_sub(shape.padding[0]);
-                if h >= shape.height {
-                    out.fill(T::default());
-                    continue;
-                }
-                let src = &plane[h * shape.width..][..shape.width];
-                out[..first].fill(T::default());
-                out[end..].fill(T::default());
-                if line.stride == 1 {
-                    out[first..end].copy_from_slice(&src[line.column(first)..][..end - first]);
-                } else {
-                    for (ow, o) in (first..end).zip(&mut out[first..end]) {
-                        *o = src[line.column(ow)];
-                    }
+    };
+    columns
+        .par_chunks_mut(per_channel)
+        .zip(image.par_chunks(plane))
+        .for_each(|(channel, plane)| unfold_channel(shape, output, plane, channel));
+}
+
+/// [`unfold`] for an f32 image and half columns: each channel's plane rounded once into a buffer (in
+/// cache), then unfolded from there (rounding while copying would round each element once per tap).
+fn unfold_rounded<T: Float>(shape: &ConvShape, output: [usize; 2], image: &[f32], columns: &mut [T]) {
+    let Some((plane, per_channel)) = channel_sizes(shape, output) else {
+        columns.fill(T::default());
+        return;
+    };
+    columns.par_chunks_mut(per_channel).zip(image.par_chunks(plane)).for_each_init(
+        Vec::new,
+        |rounded: &mut Vec<T>, (channel, plane)| {
+            rounded.resize(plane.len(), T::default());
+            T::narrow(plane, rounded);
+            unfold_channel(shape, output, rounded, channel);
+        },
+    );
+}
+
+/// Elements of one channel's plane and of its rows of the columns matrix; `None` when either is empty.
+fn channel_sizes(shape: &ConvShape, [rows, cols]: [usize; 2]) -> Option<(usize, usize)> {
+    let plane = shape.height * shape.width;
+    let per_channel = shape.kernel[0] * shape.kernel[1] * rows * cols;
+    (plane > 0 && per_channel > 0).then_some((plane, per_channel))
+}
+
+/// One channel's rows of the columns matrix (`[taps][rows][cols]`) from its plane of the image.
+fn unfold_channel<T: Copy + Default>(
+    shape: &ConvShape,
+    [rows, cols]: [usize; 2],
+    plane: &[T],
+    channel: &mut [T],
+) {
+    for (tap, row) in channel.chunks_exact_mut(rows * cols).enumerate() {
+        let (i, j) = (tap / shape.kernel[1], tap % shape.kernel[1]);
+        let line = Line {
+            width: shape.width,
+            offset: j * shape.dilation[1],
+            pad: shape.padding[1],
+            stride: shape.stride[1],
+        };
+        let (first, end) = line.inside(cols);
+        for (oh, out) in row.chunks_exact_mut(cols).enumerate() {
+            // Wraps to a huge row above the image: outside, as below it.
+            let h = (oh * shape.stride[0] + i * shape.dilation[0]).wrapping_sub(shape.padding[0]);
+            if h >= shape.height {
+                out.fill(T::default());
+                continue;
+            }
+            let src = &plane[h * shape.width..][..shape.width];
+            out[..first].fill(T::default());
+            out[end..].fill(T::default());
+            if line.stride == 1 {
+                out[first..end].copy_from_slice(&src[line.column(first)..][..end - first]);
+            } else {
+                for (ow, o) in (first..end).zip(&mut out[first..end]) {
+                    *o = src[line.column(ow)];
                 }
             }
         }
-    });
+    }
 }
 
 fn fold_typed<T: Float>(shape: &ConvShape, [rows, cols]: [usize; 2], columns: &[f32], image: &mut [T]) {
-    let plane = shape.height * shape.width;
-    let taps = shape.kernel[0] * shape.kernel[1];
-    let per_channel = taps * rows * cols;
-    if per_channel == 0 || plane == 0 {
+    let Some((plane, per_channel)) = channel_sizes(shape, [rows, cols]) else {
         image.fill(T::default());
         return;
-    }
+    };
     image.par_chunks_mut(plane).zip(columns.par_chunks(per_channel)).for_each_init(
         Vec::new,
         |sums: &mut Vec<f32>, (out, channel)| {
@@ -296,10 +334,10 @@ mod tests {
     use super::*;
 
     /// Every shape the tests run: odd sizes, padding wider than a tap, strides, dilations, a kernel
-    /// as large as the padded image, 1-d (height 1).
+    /// as large as the padded image, 1-d (height 1), long strided rows.
     fn shapes() -> Vec<ConvShape> {
         let mut v = Vec::new();
-        for (channels, height, width) in [(1, 1, 7), (2, 5, 6), (3, 9, 4)] {
+        for (channels, height, width) in [(1, 1, 7), (2, 5, 6), (3, 9, 4), (1, 2, 150)] {
             for kernel in [[1, 1], [1, 3], [3, 3], [2, 4]] {
                 for padding in [[0, 0], [1, 2], [3, 1]] {
                     for (stride, dilation) in [([1, 1], [1, 1]), ([2, 3], [1, 1]), ([1, 2], [2, 1])] {
@@ -397,6 +435,13 @@ mod tests {
         let mut f32_columns = [0.0f32; 16];
         let err = unfold(&s, (&image[..]).into(), (&mut f32_columns[..]).into()).unwrap_err();
         assert_eq!(err, ConvError::Dtype { image: Dtype::Bf16, columns: Dtype::F32 });
+        // f32 rounded to bf16 on the way, as `half` rounds (1 + 2^-8 is a tie: to even, 1.0; 1 + 3 *
+        // 2^-8 rounds up to 1 + 2^-6).
+        let fine: Vec<f32> = (0..9).map(|v| 1.0 + v as f32 / 256.0).collect();
+        unfold(&s, (&fine[..]).into(), (&mut columns[..]).into()).unwrap();
+        let rounded: Vec<bf16> = [0, 1, 3, 4].map(|at| bf16::from_f32(fine[at])).to_vec();
+        assert_eq!(columns[..4], rounded[..]);
+        assert_eq!(columns[1], bf16::ONE);
         let err = unfold(&s, (&image[..8]).into(), (&mut columns[..]).into()).unwrap_err();
         assert_eq!(err, ConvError::Length { what: "image", expected: 9, got: 8 });
         let mut f32_image = [0.0f32; 9];

@@ -4,15 +4,16 @@
 //! `x` `(batch, in, height, width)` and `W` `(out, in / groups, k, k)`; `bias` is `(out)`. Configuration
 //! (padding, stride, dilation, groups) is candle-nn's [`Conv1dConfig`] / [`Conv2dConfig`].
 //!
-//! Convolutions are matmul-class: input and weight are cast to the compute precision, the products
-//! accumulate in f32 and the result is rounded to the compute precision; the bias is added in f32 and
-//! the sum rounded once more (so the bias gradient also sums in f32).
+//! Convolutions are matmul-class: input and weight are rounded to the compute precision and the
+//! products accumulate in f32; the bias is added in f32 (so the bias gradient also sums in f32).
 //!
 //! On the CPU both run on amp's GEMM ([`crate::dispatch`]): per image, the input's patches unfolded into
-//! a matrix (im2col) and one product per group, with a backward through the same GEMM; bf16 included,
-//! which candle's own CPU conv2d refuses. Elsewhere, or with candle's kernel forced, candle's
-//! convolution runs (bf16 on the CPU then through an exact f32 path: see [`Conv2d`]; a 1-d one as a 2-d
-//! one of height 1, since candle's CPU `conv1d` has a wrong backward).
+//! a matrix (im2col; an f32 input rounded on the way, no cast pass) and one product per group, with a
+//! backward through the same GEMM; bf16 included, which candle's own CPU conv2d refuses. The f32 sums
+//! plus the bias are rounded once, to the output dtype. Elsewhere, or with candle's kernel forced,
+//! candle's convolution runs in the compute precision and its result is rounded to it before the bias
+//! (bf16 on the CPU through an exact f32 path: see [`Conv2d`]; a 1-d convolution as a 2-d one of
+//! height 1, since candle's CPU `conv1d` has a wrong backward).
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, Conv1dConfig, Conv2dConfig, VarBuilder};
@@ -155,8 +156,8 @@ impl Conv2d {
 impl Module for Conv1d {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let compute = self.precision.compute;
-        let x = xs.to_dtype(compute.dtype())?;
         let w = self.weight.in_precision(compute)?;
+        let (out, sums) = output_dtypes(self.precision, xs, self.bias.is_some());
         let c = &self.config;
         // A 1-d convolution is a 2-d one of height 1.
         let params = ConvParams {
@@ -165,20 +166,19 @@ impl Module for Conv1d {
             dilation: [1, c.dilation],
             groups: c.groups,
         };
-        let y = match ops::conv2d(&x.unsqueeze(2)?, &w.unsqueeze(2)?, params, compute, compute.dtype())? {
+        let y = match ops::conv2d(&xs.unsqueeze(2)?, &w.unsqueeze(2)?, params, compute, sums)? {
             Some(y) => y.squeeze(2)?,
-            None => conv1d_through_2d(&x, &w, c)?,
+            None => conv1d_through_2d(&xs.to_dtype(compute.dtype())?, &w, c)?,
         };
-        let y = add_bias(y, self.bias.as_ref(), 3)?;
-        super::cast_output(y, self.precision, xs.dtype())
+        add_bias(y, self.bias.as_ref(), 3)?.to_dtype(out)
     }
 }
 
 impl Module for Conv2d {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let compute = self.precision.compute;
-        let x = xs.to_dtype(compute.dtype())?;
         let w = self.weight.in_precision(compute)?;
+        let (out, sums) = output_dtypes(self.precision, xs, self.bias.is_some());
         let c = &self.config;
         let params = ConvParams {
             padding: [c.padding; 2],
@@ -186,13 +186,20 @@ impl Module for Conv2d {
             dilation: [c.dilation; 2],
             groups: c.groups,
         };
-        let y = match ops::conv2d(&x, &w, params, compute, compute.dtype())? {
+        let y = match ops::conv2d(xs, &w, params, compute, sums)? {
             Some(y) => y,
-            None => conv2d_any_dtype(&x, &w, c)?,
+            None => conv2d_any_dtype(&xs.to_dtype(compute.dtype())?, &w, c)?,
         };
-        let y = add_bias(y, self.bias.as_ref(), 4)?;
-        super::cast_output(y, self.precision, xs.dtype())
+        add_bias(y, self.bias.as_ref(), 4)?.to_dtype(out)
     }
+}
+
+/// The layer's output dtype, and the dtype amp's GEMM writes the products in: the output's, or f32
+/// when a bias follows, so that the bias is added to the f32 sums and the result rounded once (a GEMM
+/// epilogue's order, as [`super::Linear`]'s).
+fn output_dtypes(precision: LayerPrecision, xs: &Tensor, has_bias: bool) -> (DType, DType) {
+    let out = precision.output.map_or(xs.dtype(), |p| p.dtype());
+    (out, if has_bias { DType::F32 } else { out })
 }
 
 /// candle's `conv2d`, except for bf16 on CPU, which it lacks: there the bf16 operands are widened to

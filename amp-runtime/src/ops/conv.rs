@@ -1,7 +1,7 @@
 //! Convolutions on amp's CPU GEMM, as candle ops with a backward pass.
 //!
 //! Per image, the patches are unfolded into a columns matrix ([`amp_kernels::conv::unfold`], in the
-//! input's dtype) and one batched product over the groups, `W_g · columns_g`, writes the image's
+//! compute precision: an f32 input rounded on the way) and one batched product over the groups, `W_g · columns_g`, writes the image's
 //! `(out, positions)` block of the result: no transpose of the output, and one image's columns in
 //! memory at a time. A 1 x 1 kernel at stride 1 without padding reads the image as its columns. The backward runs the same GEMM:
 //! - `dW = sum over images of dY_b · columns_b^T`, the images' products accumulated into one f32 sum
@@ -34,7 +34,8 @@ pub(crate) struct ConvParams {
 }
 
 /// `x (batch, in, h, w)` convolved with `w (out, in / groups, kh, kw)` on amp's GEMM: operands rounded
-/// to `compute`, products summed in f32, result `(batch, out, oh, ow)` in `out`. `None` when the
+/// to `compute` (an f32 `x` while unfolded, the weight while packed), products summed in f32, result
+/// `(batch, out, oh, ow)` rounded once into `out`; `x`'s gradient comes back in `x`'s dtype. `None` when the
 /// dispatcher does not pick amp's GEMM (not a CPU, candle forced) or a dtype is not a float: the
 /// caller then uses candle's convolution.
 ///
@@ -52,6 +53,8 @@ pub(crate) fn conv2d(
     match dispatch::explain(x.device(), compute, geometry.product()).kernel {
         MatmulKernel::Amp(path) if [x.dtype(), w.dtype(), out].into_iter().all(is_float) => {
             let op = ConvOp { path, compute: compute_of(compute), params, out };
+            // An f32 input is rounded while it is unfolded; a half one in another precision first.
+            let x = if x.dtype() == DType::F32 { x.clone() } else { x.to_dtype(compute.dtype())? };
             Ok(Some(x.contiguous()?.apply_op2(&w.contiguous()?, op)?))
         }
         _ => Ok(None),
@@ -173,7 +176,7 @@ impl CustomOp2 for ConvOp {
         let (x, w) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
         let block = g.outputs * g.positions;
         let mut y = Buffer::zeros(self.out, g.batch * block)?;
-        let mut columns = g.columns_buffer(dtype_of(x))?;
+        let mut columns = g.columns_buffer(self.columns_dtype(x))?;
         let one = g.product();
         for b in 0..g.batch {
             let columns = g.columns(x, b, &mut columns)?;
@@ -209,6 +212,16 @@ impl CustomOp2 for ConvOp {
 }
 
 impl ConvOp {
+    /// The columns matrix's dtype for input `x`: an f32 input is rounded to the compute precision as
+    /// it is unfolded; a half input already is in it ([`conv2d`] casts any other).
+    fn columns_dtype(&self, x: GradSlice<'_>) -> DType {
+        match (x, self.compute) {
+            (GradSlice::F32(_), Compute::F16) => DType::F16,
+            (GradSlice::F32(_), Compute::Bf16) => DType::BF16,
+            (x, _) => dtype_of(x),
+        }
+    }
+
     fn gemm(&self, dims: Dims, a: MatRef<'_>, b: MatRef<'_>, c: MatMut<'_>, start: Start<'_>) -> Result<()> {
         gemm_with(self.path, dims, a, b, c, self.compute, start).map_err(candle_core::Error::wrap)
     }
@@ -285,7 +298,7 @@ impl CustomOp2 for ConvWeightGradient {
         let (x, dy) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
         let block = g.outputs * g.positions;
         let mut dw = vec![0.0f32; g.outputs * g.group_patch()];
-        let mut columns = g.columns_buffer(dtype_of(x))?;
+        let mut columns = g.columns_buffer(self.op.columns_dtype(x))?;
         let one = g.product();
         // Per group: (out x positions) · (positions x patch); the columns read transposed.
         let dims = Dims::new(one.m, one.k, one.n);
