@@ -16,7 +16,7 @@ mod common;
 
 use amp::dispatch::{with_override, Override};
 use amp::nn::{conv1d, conv2d, Conv1d, Conv1dConfig, Conv2d, Conv2dConfig};
-use amp::{Layer, LayerPrecision, Param, Precision};
+use amp::{AmpConfig, Layer, LayerPrecision, OptLevel, Param, Precision};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -332,5 +332,32 @@ fn convs_load_what_candle_nn_constructors_create_and_match_them_in_f32() -> Resu
         stored.as_tensor().id(),
         "shares the VarMap's variable"
     );
+    Ok(())
+}
+
+#[test]
+fn under_o2_the_kernels_gradient_leaves_amps_gemm_in_f32_for_the_master() -> amp::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let mut conv = conv2d(4, 6, 3, conv2d_configs()[0], vb.pp("c"))?;
+    amp::initialize(&mut conv, AmpConfig { opt_level: OptLevel::O2, half: Precision::Bf16 })?;
+    let x = common::randn_in(1, &[2, 4, 9, 9], 1.0, DType::F32)?;
+    let y = conv.forward(&x)?;
+    let r = common::randn_in(99, y.dims(), 1.0, DType::F32)?;
+    let grads = (&y * &r)?.sum_all()?.backward()?;
+    let weight = conv.weight();
+    assert!(grads.get(weight.trainable().as_tensor()).is_none(), "nothing reaches the bf16 working copy");
+    let grad = weight.grad("weight", &grads)?.expect("the master's gradient");
+    assert_eq!(grad.dtype(), DType::F32);
+    let through_bf16 = grad.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+    assert!(
+        grad.ne(&through_bf16)?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()? > 0.0,
+        "never rounded to bf16"
+    );
+    // Against direct sums of the same f32 values: the operands' bf16 roundings only.
+    let bias = conv.bias().expect("a bias").master().as_tensor().clone();
+    let reference = direct(&x, weight.master().as_tensor(), &bias, conv2d_configs()[0].into())?;
+    let expected = reference.1[1].to_dtype(DType::F32)?;
+    common::assert_close("O2 conv2d grad weight", &grad, &expected, common::tolerance(DType::BF16, 3, 4.0))?;
     Ok(())
 }

@@ -18,7 +18,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, Conv1dConfig, Conv2dConfig, VarBuilder};
 
-use crate::ops::{self, ConvParams};
+use crate::ops::{self, ConvParams, Operand};
 use crate::{LayerPrecision, Param, Precision};
 
 /// A 1-d convolution with candle-nn's parameter names (`weight`, `bias`), shapes and initialisation.
@@ -156,7 +156,7 @@ impl Conv2d {
 impl Module for Conv1d {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let compute = self.precision.compute;
-        let w = self.weight.in_precision(compute)?;
+        let w = self.weight.for_product(compute, xs.device())?;
         let (out, sums) = output_dtypes(self.precision, xs, self.bias.is_some());
         let c = &self.config;
         // A 1-d convolution is a 2-d one of height 1.
@@ -166,9 +166,15 @@ impl Module for Conv1d {
             dilation: [1, c.dilation],
             groups: c.groups,
         };
-        let y = match ops::conv2d(&xs.unsqueeze(2)?, &w.unsqueeze(2)?, params, compute, sums)? {
+        let w2 = Operand {
+            differentiated: w.differentiated.unsqueeze(2)?,
+            values: w.values.as_ref().map(|v| v.unsqueeze(2)).transpose()?,
+        };
+        let y = match ops::conv2d(&xs.unsqueeze(2)?, &w2, params, compute, sums)? {
             Some(y) => y.squeeze(2)?,
-            None => conv1d_through_2d(&xs.to_dtype(compute.dtype())?, &w, c)?,
+            None => {
+                conv1d_through_2d(&xs.to_dtype(compute.dtype())?, &self.weight.in_precision(compute)?, c)?
+            }
         };
         add_bias(y, self.bias.as_ref(), 3)?.to_dtype(out)
     }
@@ -177,7 +183,7 @@ impl Module for Conv1d {
 impl Module for Conv2d {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let compute = self.precision.compute;
-        let w = self.weight.in_precision(compute)?;
+        let w = self.weight.for_product(compute, xs.device())?;
         let (out, sums) = output_dtypes(self.precision, xs, self.bias.is_some());
         let c = &self.config;
         let params = ConvParams {
@@ -188,7 +194,7 @@ impl Module for Conv2d {
         };
         let y = match ops::conv2d(xs, &w, params, compute, sums)? {
             Some(y) => y,
-            None => conv2d_any_dtype(&xs.to_dtype(compute.dtype())?, &w, c)?,
+            None => conv2d_any_dtype(&xs.to_dtype(compute.dtype())?, &self.weight.in_precision(compute)?, c)?,
         };
         add_bias(y, self.bias.as_ref(), 4)?.to_dtype(out)
     }

@@ -20,7 +20,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
-use super::gemm::{deposit, is_float, needs_gradient};
+use super::gemm::{deposit, is_float, needs_gradient, read_from};
+use super::Operand;
 use crate::dispatch::{self, compute_of, MatmulKernel};
 use crate::Precision;
 
@@ -33,9 +34,11 @@ pub(crate) struct ConvParams {
     pub groups: usize,
 }
 
-/// `x (batch, in, h, w)` convolved with `w (out, in / groups, kh, kw)` on amp's GEMM: operands rounded
-/// to `compute` (an f32 `x` while unfolded, the weight while packed), products summed in f32, result
-/// `(batch, out, oh, ow)` rounded once into `out`; `x`'s gradient comes back in `x`'s dtype. `None` when the
+/// `x (batch, in, h, w)` convolved with the weight `(out, in / groups, kh, kw)` on amp's GEMM: operands
+/// rounded to `compute` (an f32 `x` while unfolded, the weight while packed), products summed in f32,
+/// result `(batch, out, oh, ow)` rounded once into `out`. Each gradient comes back in its operand's
+/// dtype: the weight's in f32 when it is an fp32 master read from its working copy
+/// ([`Operand::values`]). `None` when the
 /// dispatcher does not pick amp's GEMM (not a CPU, candle forced) or a dtype is not a float: the
 /// caller then uses candle's convolution.
 ///
@@ -44,15 +47,17 @@ pub(crate) struct ConvParams {
 /// than the padded input, ...), with the reason.
 pub(crate) fn conv2d(
     x: &Tensor,
-    w: &Tensor,
+    weight: &Operand,
     params: ConvParams,
     compute: Precision,
     out: DType,
 ) -> Result<Option<Tensor>> {
+    let w = &weight.differentiated;
     let geometry = Geometry::new(params, x.dims(), w.dims())?;
     match dispatch::explain(x.device(), compute, geometry.product()).kernel {
         MatmulKernel::Amp(path) if [x.dtype(), w.dtype(), out].into_iter().all(is_float) => {
-            let op = ConvOp { path, compute: compute_of(compute), params, out };
+            let values = weight.values.clone().filter(|v| v.dims() == w.dims());
+            let op = ConvOp { path, compute: compute_of(compute), params, out, values };
             // An f32 input is rounded while it is unfolded; a half one in another precision first.
             let x = if x.dtype() == DType::F32 { x.clone() } else { x.to_dtype(compute.dtype())? };
             Ok(Some(x.contiguous()?.apply_op2(&w.contiguous()?, op)?))
@@ -152,12 +157,14 @@ fn conv_error(message: String) -> candle_core::Error {
 }
 
 /// The candle op: `x ⋆ w` per image, one batched GEMM over the groups.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct ConvOp {
     path: GemmPath,
     compute: Compute,
     params: ConvParams,
     out: DType,
+    /// Where the weight's values are read, when not from the weight itself ([`Operand::values`]).
+    values: Option<Tensor>,
 }
 
 impl CustomOp2 for ConvOp {
@@ -173,19 +180,22 @@ impl CustomOp2 for ConvOp {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::new(self.params, l1.dims(), l2.dims())?;
-        let (x, w) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
-        let block = g.outputs * g.positions;
-        let mut y = Buffer::zeros(self.out, g.batch * block)?;
-        let mut columns = g.columns_buffer(self.columns_dtype(x))?;
-        let one = g.product();
-        for b in 0..g.batch {
-            let columns = g.columns(x, b, &mut columns)?;
-            let a = MatRef::row_major(w, one.k).with_batch_stride(one.m * one.k);
-            let b_op = MatRef::row_major(columns, one.n).with_batch_stride(one.k * one.n);
-            let c = MatMut::row_major(y.range(b * block, block), one.n).with_batch_stride(one.m * one.n);
-            self.gemm(g.batched(one), a, b_op, c, Start::Zero)?;
-        }
-        Ok((y.into_storage(), g.output_shape()))
+        let x = contiguous(s1, l1)?;
+        read_from(self.values.as_ref(), s2, l2, |s2, l2| {
+            let w = contiguous(s2, l2)?;
+            let block = g.outputs * g.positions;
+            let mut y = Buffer::zeros(self.out, g.batch * block)?;
+            let mut columns = g.columns_buffer(self.columns_dtype(x))?;
+            let one = g.product();
+            for b in 0..g.batch {
+                let columns = g.columns(x, b, &mut columns)?;
+                let a = MatRef::row_major(w, one.k).with_batch_stride(one.m * one.k);
+                let b_op = MatRef::row_major(columns, one.n).with_batch_stride(one.k * one.n);
+                let c = MatMut::row_major(y.range(b * block, block), one.n).with_batch_stride(one.m * one.n);
+                self.gemm(g.batched(one), a, b_op, c, Start::Zero)?;
+            }
+            Ok((y.into_storage(), g.output_shape()))
+        })
     }
 
     fn bwd(
@@ -196,15 +206,17 @@ impl CustomOp2 for ConvOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
+        let w_read = self.values.as_ref().unwrap_or(w);
         let dx = needs_gradient(x)
             .then(|| {
-                grad.apply_op2_no_bwd(w, &ConvInputGradient { op: *self, x: x.dims4()?, dtype: x.dtype() })
+                let op = ConvInputGradient { op: self.clone(), x: x.dims4()?, dtype: x.dtype() };
+                grad.apply_op2_no_bwd(w_read, &op)
             })
             .transpose()?;
         let dw = needs_gradient(w)
             .then(|| {
-                x.apply_op2_no_bwd(&grad, &ConvWeightGradient { op: *self, w: w.dims4()? })?
-                    .to_dtype(w.dtype())
+                let op = ConvWeightGradient { op: self.clone(), w: w.dims4()? };
+                x.apply_op2_no_bwd(&grad, &op)?.to_dtype(w.dtype())
             })
             .transpose()?;
         Ok((deposit(x, dx)?, deposit(w, dw)?))

@@ -232,7 +232,7 @@ fn operand<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<(MatRef<'a>, 
 }
 
 /// Runs `f` on the CPU storage and layout of `values` when given, else on `storage` and `layout`.
-fn read_from<R>(
+pub(super) fn read_from<R>(
     values: Option<&Tensor>,
     storage: &CpuStorage,
     layout: &Layout,
