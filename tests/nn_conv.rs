@@ -358,6 +358,6 @@ fn under_o2_the_kernels_gradient_leaves_amps_gemm_in_f32_for_the_master() -> amp
     let bias = conv.bias().expect("a bias").master().as_tensor().clone();
     let reference = direct(&x, weight.master().as_tensor(), &bias, conv2d_configs()[0].into())?;
     let expected = reference.1[1].to_dtype(DType::F32)?;
-    common::assert_close("O2 conv2d grad weight", &grad, &expected, common::tolerance(DType::BF16, 3, 4.0))?;
+    common::assert_close("O2 conv2d grad weight", grad, &expected, common::tolerance(DType::BF16, 3, 4.0))?;
     Ok(())
 }
