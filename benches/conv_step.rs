@@ -137,7 +137,9 @@ fn main() -> Result<()> {
 fn bench(quick: bool) -> Result<()> {
     let dev = Device::Cpu;
     let bf16 = dispatch::explain(&dev, Precision::Bf16, dispatch::Dims::new(64, 64, 64));
-    println!("conv layers, forward and forward + backward (input and kernel gradients); 2 threads, {ROUNDS} rounds");
+    println!(
+        "conv layers, forward and forward + backward (input and kernel gradients); 2 threads, {ROUNDS} rounds"
+    );
     println!("bf16 products: {bf16}");
     for shape in shapes(quick) {
         let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, shape.input.clone(), &dev)?)?;

@@ -7,10 +7,10 @@
 //! Tolerances (normwise relative, `common::tolerance`): inputs and weights are f32 (O1: the layer casts
 //! at use). A convolution's forward rounds the input and the weight to the compute format, then on
 //! amp's GEMM the f32 sums plus the f32 bias once, with candle's kernel the result and then its sum
-//! with the bias: at most 4 roundings of `u` (2^-24 fp32, 2^-11 fp16, 2^-8 bf16). Each gradient passes 3 rounded operands: the upstream gradient, the
-//! other operand, the result (the bias gradient only the first). Safety factor 4: a sum of products with
-//! cancelling terms amplifies relative operand errors by `|W||x| / |W x|`, measured 1-2 on these random
-//! data.
+//! with the bias: at most 4 roundings of `u` (2^-24 fp32, 2^-11 fp16, 2^-8 bf16). Each gradient
+//! passes 3 rounded operands: the upstream gradient, the other operand, the result (the bias gradient
+//! only the first). Safety factor 4: a sum of products with cancelling terms amplifies relative
+//! operand errors by `|W||x| / |W x|`, measured 1-2 on these random data.
 
 mod common;
 

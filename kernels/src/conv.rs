@@ -96,6 +96,23 @@ impl ConvShape {
         self.channels * self.height * self.width
     }
 
+    /// Kernel tap `tap` (row-major over the kernel) as its kernel row and its line along the width.
+    fn tap(&self, tap: usize) -> (usize, Line) {
+        let (i, j) = (tap / self.kernel[1], tap % self.kernel[1]);
+        let line = Line {
+            width: self.width,
+            offset: j * self.dilation[1],
+            pad: self.padding[1],
+            stride: self.stride[1],
+        };
+        (i, line)
+    }
+
+    /// The image row that output row `oh` reads with kernel row `i`; `None` in the padding.
+    fn image_row(&self, i: usize, oh: usize) -> Option<usize> {
+        (oh * self.stride[0] + i * self.dilation[0]).checked_sub(self.padding[0]).filter(|&h| h < self.height)
+    }
+
     /// The output's size, with the lengths of the image and the columns checked.
     fn check(&self, image: usize, columns: usize) -> Result<[usize; 2], ConvError> {
         let output = self.output().ok_or(ConvError::NoOutput(*self))?;
@@ -256,21 +273,13 @@ fn unfold_channel<T: Copy + Default>(
     channel: &mut [T],
 ) {
     for (tap, row) in channel.chunks_exact_mut(rows * cols).enumerate() {
-        let (i, j) = (tap / shape.kernel[1], tap % shape.kernel[1]);
-        let line = Line {
-            width: shape.width,
-            offset: j * shape.dilation[1],
-            pad: shape.padding[1],
-            stride: shape.stride[1],
-        };
+        let (i, line) = shape.tap(tap);
         let (first, end) = line.inside(cols);
         for (oh, out) in row.chunks_exact_mut(cols).enumerate() {
-            // Wraps to a huge row above the image: outside, as below it.
-            let h = (oh * shape.stride[0] + i * shape.dilation[0]).wrapping_sub(shape.padding[0]);
-            if h >= shape.height {
+            let Some(h) = shape.image_row(i, oh) else {
                 out.fill(T::default());
                 continue;
-            }
+            };
             let src = &plane[h * shape.width..][..shape.width];
             out[..first].fill(T::default());
             out[end..].fill(T::default());
@@ -296,19 +305,10 @@ fn fold_typed<T: Float>(shape: &ConvShape, [rows, cols]: [usize; 2], columns: &[
             sums.clear();
             sums.resize(plane, 0.0);
             for (tap, row) in channel.chunks_exact(rows * cols).enumerate() {
-                let (i, j) = (tap / shape.kernel[1], tap % shape.kernel[1]);
-                let line = Line {
-                    width: shape.width,
-                    offset: j * shape.dilation[1],
-                    pad: shape.padding[1],
-                    stride: shape.stride[1],
-                };
+                let (i, line) = shape.tap(tap);
                 let (first, end) = line.inside(cols);
                 for (oh, src) in row.chunks_exact(cols).enumerate() {
-                    let h = (oh * shape.stride[0] + i * shape.dilation[0]).wrapping_sub(shape.padding[0]);
-                    if h >= shape.height {
-                        continue;
-                    }
+                    let Some(h) = shape.image_row(i, oh) else { continue };
                     let dst = &mut sums[h * shape.width..][..shape.width];
                     if line.stride == 1 {
                         let dst = &mut dst[line.column(first)..][..end - first];

@@ -1,9 +1,10 @@
 //! Convolutions on amp's CPU GEMM, as candle ops with a backward pass.
 //!
 //! Per image, the patches are unfolded into a columns matrix ([`amp_kernels::conv::unfold`], in the
-//! compute precision: an f32 input rounded on the way) and one batched product over the groups, `W_g · columns_g`, writes the image's
-//! `(out, positions)` block of the result: no transpose of the output, and one image's columns in
-//! memory at a time. A 1 x 1 kernel at stride 1 without padding reads the image as its columns. The backward runs the same GEMM:
+//! compute precision: an f32 input rounded on the way) and one batched product over the groups,
+//! `W_g · columns_g`, writes the image's `(out, positions)` block of the result: no transpose of the
+//! output, and one image's columns in memory at a time. A 1 x 1 kernel at stride 1 without padding
+//! reads the image as its columns. The backward runs the same GEMM:
 //! - `dW = sum over images of dY_b · columns_b^T`, the images' products accumulated into one f32 sum
 //!   (the columns unfolded again, not kept) and rounded once into the weight's dtype;
 //! - `dX_b = fold(W^T · dY_b)`: the columns' gradient in f32, folded back onto the image in f32
@@ -38,9 +39,8 @@ pub(crate) struct ConvParams {
 /// rounded to `compute` (an f32 `x` while unfolded, the weight while packed), products summed in f32,
 /// result `(batch, out, oh, ow)` rounded once into `out`. Each gradient comes back in its operand's
 /// dtype: the weight's in f32 when it is an fp32 master read from its working copy
-/// ([`Operand::values`]). `None` when the
-/// dispatcher does not pick amp's GEMM (not a CPU, candle forced) or a dtype is not a float: the
-/// caller then uses candle's convolution.
+/// ([`Operand::values`]). `None` when the dispatcher does not pick amp's GEMM (not a CPU, candle
+/// forced) or a dtype is not a float: the caller then uses candle's convolution.
 ///
 /// # Errors
 /// On shapes that do not make a convolution (channels not divisible by the groups, a kernel larger
