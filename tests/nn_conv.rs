@@ -24,6 +24,25 @@ fn in_precision(compute: Precision) -> LayerPrecision {
     LayerPrecision { compute, output: None }
 }
 
+/// `f(inputs)` for `common::value_and_grads`: a `Conv2d` in `precision` whose weight and bias are
+/// `inputs[1]` and `inputs[2]`, applied to `inputs[0]`.
+fn conv2d_layer(config: Conv2dConfig, precision: Precision) -> impl Fn(&[Tensor]) -> Result<Tensor> {
+    move |t: &[Tensor]| {
+        let mut conv = Conv2d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config);
+        conv.set_precision(in_precision(precision));
+        conv.forward(&t[0])
+    }
+}
+
+/// [`conv2d_layer`] for a `Conv1d`.
+fn conv1d_layer(config: Conv1dConfig, precision: Precision) -> impl Fn(&[Tensor]) -> Result<Tensor> {
+    move |t: &[Tensor]| {
+        let mut conv = Conv1d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config);
+        conv.set_precision(in_precision(precision));
+        conv.forward(&t[0])
+    }
+}
+
 /// Zero padding, stride and dilation per spatial dimension (`[height, width]`) and groups.
 #[derive(Clone, Copy, Debug)]
 struct Geometry {
@@ -168,13 +187,7 @@ fn conv2d_matches_direct_sums_in_every_precision_forward_and_backward() -> Resul
         ];
         let reference = direct(&inputs[0], &inputs[1], &inputs[2], config.into())?;
         for precision in Precision::ALL {
-            let layer = |t: &[Tensor]| {
-                let mut conv =
-                    Conv2d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config);
-                conv.set_precision(in_precision(precision));
-                conv.forward(&t[0])
-            };
-            let result = common::value_and_grads(layer, &inputs)?;
+            let result = common::value_and_grads(conv2d_layer(config, precision), &inputs)?;
             assert_eq!(result.0.dtype(), DType::F32, "output returns in the input's dtype");
             let what = format!("conv2d {precision} {config:?} kernel {k}");
             assert_matches_direct(&what, result, &reference, precision)?;
@@ -203,13 +216,7 @@ fn conv1d_matches_direct_sums_in_every_precision_forward_and_backward() -> Resul
         let reference =
             direct(&inputs[0].unsqueeze(2)?, &inputs[1].unsqueeze(2)?, &inputs[2], config.into())?;
         for precision in Precision::ALL {
-            let layer = |t: &[Tensor]| {
-                let mut conv =
-                    Conv1d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config);
-                conv.set_precision(in_precision(precision));
-                conv.forward(&t[0])
-            };
-            let result = common::value_and_grads(layer, &inputs)?;
+            let result = common::value_and_grads(conv1d_layer(config, precision), &inputs)?;
             let what = format!("conv1d {precision} {config:?} kernel {k}");
             assert_matches_direct(&what, result, &reference, precision)?;
         }
@@ -240,21 +247,9 @@ fn with_candles_kernel_forced_convolutions_still_match_the_direct_sums() -> Resu
         // candle has no CPU bf16 conv2d (the layer's exact f32 path) and a wrong conv1d backward (the
         // layer's 2-d route): both must still be right.
         for precision in [Precision::Fp32, Precision::Bf16] {
-            let layer2 = |t: &[Tensor]| {
-                let mut conv =
-                    Conv2d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config2);
-                conv.set_precision(in_precision(precision));
-                conv.forward(&t[0])
-            };
-            let result = common::value_and_grads(layer2, &inputs2)?;
+            let result = common::value_and_grads(conv2d_layer(config2, precision), &inputs2)?;
             assert_matches_direct(&format!("candle conv2d {precision}"), result, &reference2, precision)?;
-            let layer1 = |t: &[Tensor]| {
-                let mut conv =
-                    Conv1d::new(Param::from_tensor(&t[1])?, Some(Param::from_tensor(&t[2])?), config1);
-                conv.set_precision(in_precision(precision));
-                conv.forward(&t[0])
-            };
-            let result = common::value_and_grads(layer1, &inputs1)?;
+            let result = common::value_and_grads(conv1d_layer(config1, precision), &inputs1)?;
             assert_matches_direct(&format!("candle conv1d {precision}"), result, &reference1, precision)?;
         }
         Ok(())
