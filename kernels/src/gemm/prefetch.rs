@@ -18,42 +18,38 @@ const LINE: usize = 64;
 pub(crate) fn part_to_l2<T>(data: &[T], part: usize, parts: usize) {
     let lines = std::mem::size_of_val(data).div_ceil(LINE);
     let base = data.as_ptr().cast::<u8>();
-    for line in lines * part / parts..lines * (part + 1) / parts {
+    for at in lines * part / parts..lines * (part + 1) / parts {
         // `wrapping_add`: the address is only a hint, never dereferenced.
-        line_to_l2(base.wrapping_add(line * LINE));
+        line::<true>(base.wrapping_add(at * LINE));
     }
 }
 
-/// Prefetches into L1 the cache lines of `len` elements of `data` from `start` (clamped to `data`).
+/// Prefetches into L1 the cache lines of `len` elements of `data` from `start` (a hint: an address past
+/// `data` is never dereferenced).
 #[inline]
 pub(crate) fn run_to_l1<T>(data: &[T], start: usize, len: usize) {
     let size = std::mem::size_of::<T>();
     let base = data.as_ptr().cast::<u8>().wrapping_add(start * size);
-    for line in 0..(len * size).div_ceil(LINE) {
-        line_to_l1(base.wrapping_add(line * LINE));
+    for at in 0..(len * size).div_ceil(LINE) {
+        line::<false>(base.wrapping_add(at * LINE));
     }
 }
 
+/// Prefetches the cache line at `p` into L1 or, with `TO_L2`, into L2 only.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-fn line_to_l1(p: *const u8) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+fn line<const TO_L2: bool>(p: *const u8) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
     // SAFETY: SSE is part of x86-64, and a prefetch never faults, whatever the address.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) };
+    unsafe {
+        if TO_L2 {
+            _mm_prefetch::<_MM_HINT_T1>(p.cast());
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        }
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 #[inline]
-fn line_to_l1(_: *const u8) {}
-
-#[cfg(target_arch = "x86_64")]
-#[inline]
-fn line_to_l2(p: *const u8) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-    // SAFETY: SSE is part of x86-64, and a prefetch never faults, whatever the address.
-    unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) };
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-#[inline]
-fn line_to_l2(_: *const u8) {}
+fn line<const TO_L2: bool>(_: *const u8) {}
