@@ -7,16 +7,12 @@
 //! Precision: the attention block is a composite, not a [`crate::Layer`]; `amp::initialize` reaches its
 //! four projections (`q_proj`, `k_proj`, `v_proj`, `out_proj`), which inherit the precision requested
 //! for the block. Each projection computes in its own compute precision; the block's own two products,
-//! `q k^T` and `probs v`, run in **`q_proj`'s compute precision** (f32 accumulation). Between products
-//! the activations stay f32: each product rounds its operands to the compute precision as it reads
-//! them ([`crate::ops::matmul_to`]; on the CPU while packing, so no cast pass and no half-precision
-//! elementwise op runs, and candle's half elementwise ops and gradient sums are slow on CPU). On amp's
-//! GEMM the scores leave `q k^T` as f32 sums, and the scale `1/sqrt(d)`, the mask and the softmax are
-//! one f32 op each way (`ops::fused_softmax`); where the product runs on candle's kernel (CUDA, or
-//! forced), whose output is rounded to the compute precision, `q` is scaled before the product
-//! instead (exact when `d` is a power of 4, as 16, 64 and 256 are), so the scores are `sqrt(d)` times
-//! further from fp16's overflow, and the mask and softmax are f32 candle ops. The probabilities are
-//! rounded once to the compute precision for `probs v`. On the CPU the split into heads and the merge
+//! `q k^T` and `probs v`, run in **`q_proj`'s compute precision** (f32 accumulation), as
+//! [`crate::ops::scaled_dot_product_attention`]: on amp's GEMM one op each way, with the scale
+//! `1/sqrt(d)`, the mask and the softmax in f32 between the products. Between products the activations
+//! stay f32: each product rounds its operands to the compute precision as it reads them (on the CPU
+//! while packing, so no cast pass and no half-precision elementwise op runs, and candle's half
+//! elementwise ops and gradient sums are slow on CPU). On the CPU the split into heads and the merge
 //! back are one permuted copy each way (`ops::heads`), not candle's reshape, transpose and copy.
 
 use candle_core::{DType, Module, Result, Tensor};
@@ -93,22 +89,11 @@ impl MultiHeadAttention {
     /// output precision of `out_proj`, or `query`'s dtype.
     pub fn attend(&self, query: &Tensor, context: &Tensor, causal: bool) -> Result<Tensor> {
         let compute = self.compute_precision();
-        let (_, _, embed) = query.dims3()?;
-        let head_dim = embed / self.num_heads;
         let heads = |x: Tensor| ops::heads::split_heads(&x, self.num_heads);
-        let scale = 1.0 / (head_dim as f64).sqrt();
-        // On amp's GEMM the scores leave the product as f32 sums, and the scale joins the mask in the
-        // softmax's one op; a product on candle's kernel is rounded to the compute precision first,
-        // so there `q` is scaled before it, `sqrt(d)` times further from fp16's overflow.
-        let scale_in_softmax = crate::dispatch::runs_on_amp_gemm(query.device(), compute);
         let q = heads(project(&self.q_proj, query)?)?;
-        let q = if scale_in_softmax { q } else { (q * scale)? };
         let k = heads(project(&self.k_proj, context)?)?;
         let v = heads(project(&self.v_proj, context)?)?;
-        let scores = ops::matmul_to(&q, &k.t()?, compute, DType::F32)?;
-        let softmax_scale = if scale_in_softmax { scale } else { 1.0 };
-        let probs = ops::fused_softmax::attention_probs(&scores, softmax_scale, causal)?;
-        let mixed = ops::matmul_to(&probs, &v, compute, DType::F32)?;
+        let mixed = ops::scaled_dot_product_attention(&q, &k, &v, causal, compute)?;
         let mixed = ops::heads::merge_heads(&mixed)?;
         let y = project(&self.out_proj, &mixed)?;
         super::cast_output(y, self.out_proj.precision(), query.dtype())

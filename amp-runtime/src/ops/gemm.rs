@@ -88,10 +88,12 @@ pub(crate) enum Epilogue {
     Gelu,
 }
 
-/// `x W^T + b` for `x` `(rows, in)`, `weight` `(out, in)` and `bias` `(out)` (zeros for a Linear
-/// without bias: an untracked tensor gets no gradient): one GEMM that starts every row from the bias
-/// (added in f32, rounded once with the sum into `out`), then the epilogue. Its backward runs two GEMMs
-/// and sums the bias gradient in f32. `None` when the dispatcher does not pick amp's GEMM.
+/// `x W^T + b` for `x` `(.., in)`, `weight` `(out, in)` and `bias` `(out)` (zeros for a Linear
+/// without bias: an untracked tensor gets no gradient): one GEMM over the rows of `x` (its leading
+/// dimensions folded by the op, a contiguous `x` read in place) that starts every row from the bias
+/// (added in f32, rounded once with the sum into `out`), then the epilogue; the result is `(.., out)`.
+/// Its backward runs two GEMMs and sums the bias gradient in f32. `None` when the dispatcher does not
+/// pick amp's GEMM.
 pub(crate) fn linear_bias(
     x: &Tensor,
     weight: &Operand,
@@ -100,7 +102,9 @@ pub(crate) fn linear_bias(
     out: DType,
     epilogue: Epilogue,
 ) -> Result<Option<Tensor>> {
-    let (rows, inputs) = x.dims2()?;
+    let inputs =
+        *x.dims().last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
+    let rows = x.elem_count() / inputs.max(1);
     let w = &weight.differentiated;
     let outputs = w.dim(0)?;
     let dims = Dims::new(rows, outputs, inputs);
@@ -110,6 +114,8 @@ pub(crate) fn linear_bias(
             let gemm = GemmOp { path, compute: compute_of(compute), out, b_values: None };
             let values = weight.values.clone().filter(|v| v.dims() == w.dims());
             let pre_activation = Arc::default();
+            // A matrix is read through its strides; more dimensions are folded, in place when contiguous.
+            let x = if x.rank() == 2 { x.clone() } else { x.contiguous()? };
             Ok(Some(x.apply_op3(w, &bias, LinearOp { gemm, values, epilogue, pre_activation })?))
         }
         _ => Ok(None),
@@ -252,21 +258,33 @@ impl GemmOp {
         GemmOp { path: self.path, compute: self.compute, out, b_values: None }
     }
 
-    /// `bias + A·B` into new storage of the output dtype (f32 unless f16 / bf16 was asked for), written
-    /// once (never zeroed first).
+    /// `bias + A·B` into new storage of the output dtype ([`new_product`]).
     fn product(&self, dims: Dims, a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<CpuStorage> {
-        let out = match self.out {
-            DType::F16 => OutputType::F16,
-            DType::BF16 => OutputType::Bf16,
-            _ => OutputType::F32,
-        };
-        let c = gemm_new(self.path, dims, a, b, out, self.compute, bias).map_err(candle_core::Error::wrap)?;
-        Ok(match c {
-            NewOutput::F32(v) => CpuStorage::F32(v),
-            NewOutput::F16(v) => CpuStorage::F16(v),
-            NewOutput::Bf16(v) => CpuStorage::BF16(v),
-        })
+        new_product((self.path, self.compute), self.out, dims, a, b, bias)
     }
+}
+
+/// `bias + A·B` on `path` in `compute` into new storage of `out` (f32 unless f16 / bf16 was asked for),
+/// written once (never zeroed first).
+pub(super) fn new_product(
+    (path, compute): (GemmPath, Compute),
+    out: DType,
+    dims: Dims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    bias: Option<&[f32]>,
+) -> Result<CpuStorage> {
+    let out = match out {
+        DType::F16 => OutputType::F16,
+        DType::BF16 => OutputType::Bf16,
+        _ => OutputType::F32,
+    };
+    let c = gemm_new(path, dims, a, b, out, compute, bias).map_err(candle_core::Error::wrap)?;
+    Ok(match c {
+        NewOutput::F32(v) => CpuStorage::F32(v),
+        NewOutput::F16(v) => CpuStorage::F16(v),
+        NewOutput::Bf16(v) => CpuStorage::BF16(v),
+    })
 }
 
 impl CustomOp2 for GemmOp {
@@ -344,7 +362,7 @@ impl CustomOp3 for LinearOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, _, [rows, inputs]) = operand(s1, l1)?;
+        let (x, [rows, inputs]) = rows_of(s1, l1)?;
         let bias = match (s3, l3.contiguous_offsets()) {
             (CpuStorage::F32(v), Some((start, end))) => &v[start..end],
             _ => return Err(candle_core::Error::Msg("amp-linear: the bias must be contiguous f32".into())),
@@ -363,7 +381,9 @@ impl CustomOp3 for LinearOp {
                     storage = y;
                 }
             }
-            Ok((storage, (rows, outputs).into()))
+            let mut shape = l1.dims().to_vec();
+            *shape.last_mut().expect("a matrix at least") = outputs;
+            Ok((storage, shape.into()))
         })
     }
 
@@ -389,14 +409,45 @@ impl CustomOp3 for LinearOp {
                 &masked
             }
         };
+        // The rows of x and of the gradient as matrices (x is a matrix or contiguous: views).
+        let (grad, x_rows) = (as_rows(grad)?, as_rows(&x.detach())?);
         let w_read = self.values.as_ref().unwrap_or(w);
-        let dx =
-            needs_gradient(x).then(|| grad.apply_op2(w_read, self.gemm.backward(x.dtype()))).transpose()?;
-        let dw =
-            needs_gradient(w).then(|| grad.t()?.apply_op2(x, self.gemm.backward(w.dtype()))).transpose()?;
-        let db = needs_gradient(bias).then(|| super::column_sums::column_sums(grad)).transpose()?;
+        let dx = needs_gradient(x)
+            .then(|| grad.apply_op2_no_bwd(w_read, &self.gemm.backward(x.dtype()))?.reshape(x.dims()))
+            .transpose()?;
+        let dw = needs_gradient(w)
+            .then(|| grad.t()?.apply_op2_no_bwd(&x_rows, &self.gemm.backward(w.dtype())))
+            .transpose()?;
+        let db = needs_gradient(bias).then(|| super::column_sums::column_sums(&grad)).transpose()?;
         Ok((deposit(x, dx)?, deposit(w, dw)?, deposit(bias, db)?))
     }
+}
+
+/// `t` `(.., cols)` as a matrix `(rows, cols)`: `t` itself when it is one, else a reshape (a view when
+/// contiguous).
+fn as_rows(t: &Tensor) -> Result<Tensor> {
+    if t.rank() == 2 {
+        return Ok(t.clone());
+    }
+    let cols = t.dims().last().copied().unwrap_or(1);
+    t.reshape((t.elem_count() / cols.max(1), cols))
+}
+
+/// A Linear's input `(.., in)` as the matrix of its rows: a matrix through its strides, more
+/// dimensions folded when contiguous.
+fn rows_of<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<(MatRef<'a>, [usize; 2])> {
+    if layout.dims().len() == 2 {
+        let (view, _, dims) = operand(storage, layout)?;
+        return Ok((view, dims));
+    }
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        return Err(candle_core::Error::RequiresContiguous { op: "amp-linear" });
+    };
+    let cols = layout.dims().last().copied().unwrap_or(1);
+    let rows = layout.shape().elem_count() / cols.max(1);
+    let folded = Layout::contiguous_with_offset((rows, cols), start);
+    let (view, _, dims) = operand(storage, &folded)?;
+    Ok((view, dims))
 }
 
 /// The kept product of a GELU epilogue.

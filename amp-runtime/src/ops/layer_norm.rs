@@ -19,17 +19,23 @@ pub(crate) fn layer_norm(
     if !x.device().is_cpu() || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
         return Ok(None);
     }
-    let dims = x.dims().to_vec();
-    let d = *dims.last().ok_or_else(|| candle_core::Error::Msg("layer_norm: x has no dimensions".into()))?;
-    let rows = x.elem_count() / d.max(1);
-    let x2 = x.reshape((rows, d))?;
+    if x.rank() == 0 {
+        candle_core::bail!("layer_norm: x has no dimensions");
+    }
     let weight = weight.to_dtype(DType::F32)?;
     let (bias, has_bias) = match bias {
         Some(b) => (b.to_dtype(DType::F32)?, true),
         None => (weight.zeros_like()?.detach(), false),
     };
-    let y = x2.apply_op3(&weight, &bias, LayerNormOp { eps: eps as f32, has_bias })?;
-    Ok(Some(y.reshape(dims)?))
+    // The op folds x's leading dimensions into rows itself: a reshape each way would be two more graph
+    // nodes, each a zero-filled sum of its size in candle's backward pass.
+    Ok(Some(x.contiguous()?.apply_op3(&weight, &bias, LayerNormOp { eps: eps as f32, has_bias })?))
+}
+
+/// The rows and the row length of a contiguous `(.., d)` layout.
+fn rows(layout: &Layout) -> (usize, usize) {
+    let d = layout.dims().last().copied().unwrap_or(1);
+    (layout.shape().elem_count() / d.max(1), d)
 }
 
 /// The forward op: `(x, weight, bias) -> y`.
@@ -72,12 +78,12 @@ impl CustomOp3 for LayerNormOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, d) = l1.shape().dims2()?;
+        let (rows, d) = rows(l1);
         let (x, weight) = (matrix(s1, l1)?, vector(s2, l2)?);
         let bias = if self.has_bias { Some(vector(s3, l3)?) } else { None };
         let mut y = vec![0f32; rows * d];
         amp_kernels::layer_norm::forward(x, d, weight, bias, self.eps, &mut y);
-        Ok((CpuStorage::F32(y), (rows, d).into()))
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
     fn bwd(
@@ -88,9 +94,9 @@ impl CustomOp3 for LayerNormOp {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let rows = x.dim(0)?;
+        let (rows, _) = rows(x.layout());
         let all = x.apply_op3_no_bwd(weight, &grad.contiguous()?, &LayerNormBackward { eps: self.eps })?;
-        let dx = all.narrow(0, 0, rows)?.to_dtype(x.dtype())?;
+        let dx = all.narrow(0, 0, rows)?.reshape(x.dims())?.to_dtype(x.dtype())?;
         let (dweight, dbias) = (all.get(rows)?, all.get(rows + 1)?);
         Ok((Some(dx), Some(dweight), self.has_bias.then_some(dbias)))
     }
@@ -110,7 +116,7 @@ impl CustomOp3 for LayerNormBackward {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, d) = l1.shape().dims2()?;
+        let (rows, d) = rows(l1);
         let (x, weight, dy) = (matrix(s1, l1)?, vector(s2, l2)?, matrix(s3, l3)?);
         let mut all = vec![0f32; (rows + 2) * d];
         let (dx, sums) = all.split_at_mut(rows * d);

@@ -4,7 +4,7 @@
 //!
 //! | class | ops | rule |
 //! |---|---|---|
-//! | matmul-class | [`matmul`], [`linear`] | operands cast to the compute precision; products accumulate in f32 |
+//! | matmul-class | [`matmul`], [`linear`], [`scaled_dot_product_attention`] | operands cast to the compute precision; products accumulate in f32 |
 //! | fp32 | [`exp`], [`log`], [`pow`], [`softmax`], [`log_softmax`], [`sum`], [`mean`], [`norm`], [`cumsum`], [`var`], [`std`](fn@std), every [`loss`] | f16/bf16 inputs widened to f32, result f32 |
 //! | promote | [`add`], [`sub`], [`mul`], [`div`], [`cat`], [`stack`], [`maximum`], [`minimum`] | inputs cast to the widest float dtype among them |
 //! | activation | [`gelu`], [`relu`] | computed in f32 in one pass (backward too), result in the input's dtype |
@@ -27,6 +27,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+mod attention;
 mod column_sums;
 mod conv;
 mod elementwise;
@@ -40,6 +41,7 @@ pub mod loss;
 mod promote;
 mod relu;
 
+pub use attention::scaled_dot_product_attention;
 pub(crate) use conv::{conv2d, ConvParams};
 pub use fp32::{
     cumsum, exp, log, log_softmax, mean, mean_all, mean_keepdim, norm, pow, softmax, std, sum, sum_all,
@@ -76,7 +78,9 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, compute: Preci
 
 /// [`linear`] with the result in `out`, then the epilogue: leading dimensions of `x` are folded into
 /// the rows of one product (the weight is read once, transposed in place). With a bias on amp's GEMM
-/// the epilogue is part of the product's op; otherwise it follows as its own op.
+/// the epilogue is part of the product's op, which folds the leading dimensions itself: a reshape
+/// each way would be two more graph nodes, each a zero-filled sum of its size in candle's backward
+/// pass. Otherwise `x` is reshaped to a matrix and the epilogue follows as its own op.
 pub(crate) fn linear_to(
     x: &Tensor,
     weight: &Operand,
@@ -88,30 +92,32 @@ pub(crate) fn linear_to(
     let dims = x.dims().to_vec();
     let features =
         *dims.last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
-    let rows = x.elem_count() / features.max(1);
-    let x2 = if dims.len() == 2 { x.clone() } else { x.reshape((rows, features))? };
     let fused = match bias {
-        Some(bias) => gemm::linear_bias(&x2, weight, bias, compute, out, epilogue)?,
+        Some(bias) => gemm::linear_bias(x, weight, bias, compute, out, epilogue)?,
         // Without a bias, the same op from a zero row (untracked: no gradient is computed for it), so
         // that the weight is read transposed in place and its gradient deposited on the weight itself,
         // not sent back through a transpose and candle's zero-filled sum.
         None => {
             let zero = Tensor::zeros(weight.differentiated.dim(0)?, DType::F32, x.device())?;
-            gemm::linear_bias(&x2, weight, &zero, compute, out, epilogue)?
+            gemm::linear_bias(x, weight, &zero, compute, out, epilogue)?
         }
     };
-    let y = match (fused, bias) {
-        (Some(y), _) => y,
-        (None, _) if epilogue == Epilogue::Relu => {
+    if let Some(y) = fused {
+        return Ok(y);
+    }
+    let rows = x.elem_count() / features.max(1);
+    let x2 = if dims.len() == 2 { x.clone() } else { x.reshape((rows, features))? };
+    let y = match bias {
+        _ if epilogue == Epilogue::Relu => {
             relu(&linear_to(&x2, weight, bias, compute, out, Epilogue::Identity)?)?
         }
-        (None, _) if epilogue == Epilogue::Gelu => {
+        _ if epilogue == Epilogue::Gelu => {
             gelu(&linear_to(&x2, weight, bias, compute, out, Epilogue::Identity)?)?
         }
-        (None, Some(bias)) => gemm::product_to(&x2, &weight.t()?, compute, DType::F32)?
+        Some(bias) => gemm::product_to(&x2, &weight.t()?, compute, DType::F32)?
             .broadcast_add(&bias.to_dtype(DType::F32)?)?
             .to_dtype(out)?,
-        (None, None) => gemm::product_to(&x2, &weight.t()?, compute, out)?,
+        None => gemm::product_to(&x2, &weight.t()?, compute, out)?,
     };
     if dims.len() == 2 {
         return Ok(y);
