@@ -134,6 +134,10 @@ struct Args {
     /// the bytes)
     #[arg(long, value_name = "DTYPE", default_value = "f32", value_parser = parse_wire, requires = "data_parallel")]
     wire: Wire,
+    /// Run as a CPU with AVX2, FMA and F16C but no AVX-512 would: every product on amp's AVX2 kernel,
+    /// amp's vector loops 8 floats wide (to see an AVX2-only CPU's ratios on a CPU with AVX-512)
+    #[arg(long)]
+    avx2_only: bool,
 }
 
 fn parse_precision(name: &str) -> Result<Precision, String> {
@@ -407,6 +411,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = <Args as clap::Parser>::parse();
     args.runs =
         args.runs.iter().enumerate().filter(|(i, p)| !args.runs[..*i].contains(p)).map(|(_, p)| *p).collect();
+    if args.avx2_only {
+        as_avx2_only()?;
+    }
     if !args.data_parallel {
         return train(&args, None, &candle_threads);
     }
@@ -481,7 +488,7 @@ fn train(
         "size": size.name, "d_model": embed, "layers": layers, "heads": heads,
         "flops_per_step": size.flops_per_step(), "matmul_bf16": bf16_kernel(size, &device),
         "steps": steps, "batch": batch, "seq": seq, "lr": size.lr, "opt_level": args.opt_level.to_string(),
-        "data_parallel": data_parallel,
+        "data_parallel": data_parallel, "avx2_only": args.avx2_only,
         "seeds": seeds.iter().map(|s| report::seed_json(s, size.tokens(), floor)).collect::<Vec<_>>(),
     });
     std::fs::write(args.out.join("results.json"), serde_json::to_string_pretty(&results)?)?;
@@ -503,6 +510,16 @@ fn train(
         args.out.display(),
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// Every product on amp's AVX2 kernel, amp's vector loops capped at AVX2 (`--avx2-only`).
+fn as_avx2_only() -> Result<(), Box<dyn std::error::Error>> {
+    if !amp_kernels::Isa::Avx2.is_supported() {
+        return Err("--avx2-only: this CPU has no AVX2 (and FMA, F16C)".into());
+    }
+    amp::dispatch::set_override(amp::dispatch::Override::Path(amp::dispatch::GemmPath::Avx2))?;
+    amp_kernels::vectorise::limit_width(Some(amp_kernels::Isa::Avx2));
     Ok(())
 }
 

@@ -8,7 +8,10 @@
 //!
 //! Rows are split into fixed blocks run on the current rayon pool; the weight and bias gradients are
 //! summed within each block in row order, then across blocks in block order, so every result is
-//! deterministic and independent of the thread count.
+//! deterministic and independent of the thread count. A row's f64 sums run in eight lanes added in a
+//! fixed order, and its loops are compiled for the widest vector extension the CPU has
+//! (`widest_vectors!`): every version computes the same bits. (Summed one element at a time, the f64
+//! statistics kept the loops scalar: forward 3x and backward 1.9x slower on a `(1024, 256)` matrix.)
 
 use half::bf16;
 use rayon::prelude::*;
@@ -34,13 +37,34 @@ pub fn forward(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>,
         let mut row = vec![0f32; d];
         for (i, y) in ys.chunks_exact_mut(d).enumerate() {
             widen_row(x, (first + i) * d, &mut row);
-            let (mean, rstd) = stats(&row, eps);
-            for (j, (y, &v)) in y.iter_mut().zip(&row).enumerate() {
-                let normed = (v - mean) * rstd;
-                *y = normed * weight[j] + bias.map_or(0.0, |b| b[j]);
-            }
+            forward_row(&row, weight, bias, eps, y);
         }
     });
+}
+
+widest_vectors! {
+    /// One row of the forward pass.
+    fn forward_row(row: &[f32], weight: &[f32], bias: Option<&[f32]>, eps: f32, y: &mut [f32]) => forward_row_any;
+}
+
+#[inline(always)]
+fn forward_row_any(row: &[f32], weight: &[f32], bias: Option<&[f32]>, eps: f32, y: &mut [f32]) {
+    let (mean, rstd) = stats(row, eps);
+    let d = row.len();
+    let (weight, y) = (&weight[..d], &mut y[..d]);
+    match bias {
+        Some(bias) => {
+            let bias = &bias[..d];
+            for j in 0..d {
+                y[j] = (row[j] - mean) * rstd * weight[j] + bias[j];
+            }
+        }
+        None => {
+            for j in 0..d {
+                y[j] = (row[j] - mean) * rstd * weight[j] + 0.0;
+            }
+        }
+    }
 }
 
 /// The backward pass: `dx` (`rows * d`), `dweight` and `dbias` (`d` each, overwritten) from `x` and
@@ -78,21 +102,7 @@ pub fn backward(
             for (i, dx) in dxs.chunks_exact_mut(d).enumerate() {
                 widen_row(x, (first + i) * d, &mut row);
                 widen_row(dy, (first + i) * d, &mut grad);
-                let (mean, rstd) = stats(&row, eps);
-                let (mut sum_g, mut sum_gx) = (0f64, 0f64);
-                for j in 0..d {
-                    let xhat = (row[j] - mean) * rstd;
-                    let g = grad[j] * weight[j];
-                    sum_g += f64::from(g);
-                    sum_gx += f64::from(g * xhat);
-                    sums[j] += grad[j] * xhat;
-                    sums[d + j] += grad[j];
-                }
-                let (mean_g, mean_gx) = ((sum_g / d as f64) as f32, (sum_gx / d as f64) as f32);
-                for (j, dx) in dx.iter_mut().enumerate() {
-                    let xhat = (row[j] - mean) * rstd;
-                    *dx = rstd * (grad[j] * weight[j] - mean_g - xhat * mean_gx);
-                }
+                backward_row(&row, &grad, weight, eps, dx, &mut sums);
             }
             sums
         })
@@ -105,6 +115,56 @@ pub fn backward(
             *acc += s;
         }
     }
+}
+
+widest_vectors! {
+    /// One row of the backward pass: its `dx`, and its terms added to the block's weight and bias
+    /// gradients (`sums`: `d` of each).
+    fn backward_row(row: &[f32], grad: &[f32], weight: &[f32], eps: f32, dx: &mut [f32], sums: &mut [f32]) => backward_row_any;
+}
+
+#[inline(always)]
+fn backward_row_any(row: &[f32], grad: &[f32], weight: &[f32], eps: f32, dx: &mut [f32], sums: &mut [f32]) {
+    let d = row.len();
+    let (grad, weight, dx) = (&grad[..d], &weight[..d], &mut dx[..d]);
+    let (dweight, dbias) = sums.split_at_mut(d);
+    let (dweight, dbias) = (&mut dweight[..d], &mut dbias[..d]);
+    let (mean, rstd) = stats(row, eps);
+    // dx first holds g * xhat, to be summed.
+    for j in 0..d {
+        let xhat = (row[j] - mean) * rstd;
+        dweight[j] += grad[j] * xhat;
+        dbias[j] += grad[j];
+        dx[j] = grad[j] * weight[j] * xhat;
+    }
+    let sum_g = lane_sum(d, |j| f64::from(grad[j] * weight[j]));
+    let sum_gx = lane_sum(d, |j| f64::from(dx[j]));
+    let (mean_g, mean_gx) = ((sum_g / d as f64) as f32, (sum_gx / d as f64) as f32);
+    for j in 0..d {
+        let xhat = (row[j] - mean) * rstd;
+        dx[j] = rstd * (grad[j] * weight[j] - mean_g - xhat * mean_gx);
+    }
+}
+
+/// Independent f64 accumulators of a sum, which the compiler keeps in vector registers: element `j`
+/// goes to lane `j % LANES` (the last `d % LANES` to the first lanes), and the lanes are added in a fixed
+/// tree at the end, so every version of the loop computes the same bits.
+const LANES: usize = 8;
+
+/// `sum over j < n of term(j)`, in lanes.
+#[inline(always)]
+fn lane_sum(n: usize, term: impl Fn(usize) -> f64) -> f64 {
+    let mut acc = [0f64; LANES];
+    let whole = n - n % LANES;
+    for base in (0..whole).step_by(LANES) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a += term(base + l);
+        }
+    }
+    for (l, a) in acc.iter_mut().enumerate().take(n - whole) {
+        *a += term(whole + l);
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 }
 
 /// Row `d` elements from `at` of `x`, as f32.
@@ -121,10 +181,14 @@ fn widen_row(x: GradSlice<'_>, at: usize, out: &mut [f32]) {
 
 /// A row's mean and `1 / sqrt(var + eps)`, accumulated in f64 (two passes: the variance of the
 /// centred values).
+#[inline(always)]
 fn stats(row: &[f32], eps: f32) -> (f32, f32) {
-    let n = row.len() as f64;
-    let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
-    let var = row.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n;
+    let n = row.len();
+    let mean = lane_sum(n, |j| f64::from(row[j])) / n as f64;
+    let var = lane_sum(n, |j| {
+        let centred = f64::from(row[j]) - mean;
+        centred * centred
+    }) / n as f64;
     (mean as f32, (1.0 / (var + f64::from(eps)).sqrt()) as f32)
 }
 

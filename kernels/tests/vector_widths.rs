@@ -1,4 +1,5 @@
-//! Every version of the crate's `widest_vectors!` loops (packing, column sums, softmax, GELU, ReLU) computes
+//! Every version of the crate's `widest_vectors!` loops (packing, column sums, softmax, GELU, ReLU,
+//! layer norm) computes
 //! the same bits: each kernel runs with the loops capped at the baseline, at AVX2 and uncapped, and the
 //! results are compared bit for bit. On a CPU without AVX2 or AVX-512 the capped runs pick the same
 //! version as the uncapped one, and the test says so.
@@ -7,7 +8,7 @@
 
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use amp_kernels::softmax::{self, Mask};
-use amp_kernels::{gelu, reduce, relu, vectorise, GradSlice, GradSliceMut, Isa};
+use amp_kernels::{gelu, layer_norm, reduce, relu, vectorise, GradSlice, GradSliceMut, Isa};
 use half::{bf16, f16};
 
 fn values(n: usize, seed: usize) -> Vec<f32> {
@@ -75,6 +76,14 @@ fn outputs() -> Vec<Vec<u32>> {
     relu::backward(GradSlice::Bf16(&rb), GradSlice::F16(&dyh), GradSliceMut::F16(&mut drh));
     out.push(r.iter().chain(&dr).map(|v| v.to_bits()).collect());
     out.push(rb.iter().map(|v| v.to_bits()).chain(drh.iter().map(|v| v.to_bits())).map(u32::from).collect());
+    // Layer norm, forward with and without a bias and backward, rows of 301 (not a multiple of a lane).
+    let (w, b) = (values(cols, 5), values(cols, 6));
+    let (mut ln, mut ln_free) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+    layer_norm::forward(GradSlice::F32(&x), cols, &w, Some(&b), 1e-5, &mut ln);
+    layer_norm::forward(GradSlice::Bf16(&xb), cols, &w, None, 1e-5, &mut ln_free);
+    let (mut dln, mut dw, mut db) = (vec![0f32; x.len()], vec![0f32; cols], vec![0f32; cols]);
+    layer_norm::backward(GradSlice::F32(&x), GradSlice::F32(&dy), cols, &w, 1e-5, &mut dln, &mut dw, &mut db);
+    out.push([&ln, &ln_free, &dln, &dw, &db].into_iter().flatten().map(|v| v.to_bits()).collect());
     out
 }
 
