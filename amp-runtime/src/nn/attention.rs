@@ -12,8 +12,10 @@
 //! `1/sqrt(d)`, the mask and the softmax in f32 between the products. Between products the activations
 //! stay f32: each product rounds its operands to the compute precision as it reads them (on the CPU
 //! while packing, so no cast pass and no half-precision elementwise op runs, and candle's half
-//! elementwise ops and gradient sums are slow on CPU). On the CPU the split into heads and the merge
-//! back are one permuted copy each way (`ops::heads`), not candle's reshape, transpose and copy.
+//! elementwise ops and gradient sums are slow on CPU). On amp's GEMM the products read each head where
+//! its projection wrote it and write the result's heads side by side, ready for `out_proj`: no split
+//! into heads or merge back. Elsewhere those are one permuted copy each way on the CPU (`ops::heads`),
+//! candle's reshape, transpose and copy on other devices.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -89,12 +91,10 @@ impl MultiHeadAttention {
     /// output precision of `out_proj`, or `query`'s dtype.
     pub fn attend(&self, query: &Tensor, context: &Tensor, causal: bool) -> Result<Tensor> {
         let compute = self.compute_precision();
-        let heads = |x: Tensor| ops::heads::split_heads(&x, self.num_heads);
-        let q = heads(project(&self.q_proj, query)?)?;
-        let k = heads(project(&self.k_proj, context)?)?;
-        let v = heads(project(&self.v_proj, context)?)?;
-        let mixed = ops::scaled_dot_product_attention(&q, &k, &v, causal, compute)?;
-        let mixed = ops::heads::merge_heads(&mixed)?;
+        let q = project(&self.q_proj, query)?;
+        let k = project(&self.k_proj, context)?;
+        let v = project(&self.v_proj, context)?;
+        let mixed = ops::attention_of_heads([&q, &k, &v], self.num_heads, causal, compute)?;
         let y = project(&self.out_proj, &mixed)?;
         super::cast_output(y, self.out_proj.precision(), query.dtype())
     }

@@ -1,25 +1,29 @@
 //! Attention's core, `softmax(q k^T / sqrt(d) + mask) v` over a batch of heads, as one graph node.
 //!
 //! Composed of candle ops, the core is a product, a softmax and a product, with the reshapes that fold
-//! the heads into a batch and the transposed copy of `k` around them: thirteen graph nodes per layer on
-//! the main job, each of which candle's backward pass gives a zero-filled gradient of its size and an
-//! add. On amp's CPU GEMM it is one op. The forward runs both products and the softmax
+//! the heads into a batch and the transposed copy of `k` around them, and for a multi-head layer the
+//! split of each projection into heads and the merge back: seventeen graph nodes per layer on the
+//! main job, each of which candle's backward pass gives a zero-filled gradient of its size and an add.
+//! On amp's CPU GEMM it is one op. The forward runs both products and the softmax
 //! ([`amp_kernels::softmax`], scale and causal mask folded in) and keeps the probabilities; the
 //! backward runs the four products of the gradients and the softmax's backward between them. Each
-//! product reads its operands where they lie (`k` and the transposes through their strides) and rounds
-//! them to the compute precision while packing, as [`super::matmul_to`] does, so the op computes what
-//! the composition computes, bit for bit, in fewer passes over memory.
+//! product reads its operands where they lie (`k`, the transposes and each head of a `(batch, t,
+//! heads * d)` projection through their strides), writes its result there too
+//! ([`amp_kernels::gemm::gemm_new_blocks`]), and rounds its operands to the compute precision while
+//! packing, as [`super::matmul_to`] does: the op computes what the composition computes, bit for bit,
+//! in fewer passes over memory.
 
 use std::ops::Deref;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use amp_kernels::gemm::{Compute, Dims, GemmPath, MatRef};
+use amp_kernels::gemm::{gemm_new_blocks, Compute, Dims, GemmPath, MatRef};
 use amp_kernels::softmax::{self, Mask};
 use amp_kernels::GradSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor, D};
 
-use super::gemm::{deposit, is_float, needs_gradient, new_product};
+use super::gemm::{deposit, is_float, needs_gradient, output_type, storage_of};
+use super::heads::{merge_heads, split_heads};
 use crate::dispatch::{self, compute_of, MatmulKernel};
 use crate::Precision;
 
@@ -44,7 +48,8 @@ pub fn scaled_dot_product_attention(
     compute: Precision,
 ) -> Result<Tensor> {
     let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-    if let Some(mixed) = fused(q, k, v, scale, causal, compute)? {
+    let heads = Heads::batched(q.dims(), k.dims(), v.dims());
+    if let Some(mixed) = fused(heads, [q, k, v], scale, causal, compute)? {
         return Ok(mixed);
     }
     let scale_in_softmax = dispatch::runs_on_amp_gemm(q.device(), compute);
@@ -55,21 +60,44 @@ pub fn scaled_dot_product_attention(
     super::matmul_to(&probs, v, compute, DType::F32)
 }
 
+/// [`scaled_dot_product_attention`] of `heads` heads held side by side: `q` `(batch, t_q, heads * d)`,
+/// `k` `(batch, t_k, heads * d)`, `v` `(batch, t_k, heads * d_v)` (projections as they come), head `h`
+/// the features `h * d .. (h + 1) * d`; the result `(batch, t_q, heads * d_v)`, its heads side by side
+/// as well. On amp's GEMM the op reads and writes the heads in place; elsewhere the heads are split
+/// into a batch, attended and merged back.
+pub(crate) fn attention_of_heads(
+    [q, k, v]: [&Tensor; 3],
+    heads: usize,
+    causal: bool,
+    compute: Precision,
+) -> Result<Tensor> {
+    let fused_heads = Heads::side_by_side(q.dims(), k.dims(), v.dims(), heads);
+    if let Some(d) = fused_heads.map(|h| h.d) {
+        let scale = 1.0 / (d as f64).sqrt();
+        if let Some(mixed) = fused(fused_heads, [q, k, v], scale, causal, compute)? {
+            return Ok(mixed);
+        }
+    }
+    let [q, k, v] = [q, k, v].map(|x| split_heads(x, heads));
+    merge_heads(&scaled_dot_product_attention(&q?, &k?, &v?, causal, compute)?)
+}
+
 /// The one-op version, or `None` where it does not apply: not amp's GEMM, a dtype other than f32, f16
-/// and bf16, leading dimensions that differ (broadcast) or shapes that do not fit.
+/// and bf16, or shapes that do not fit (`heads` is `None`).
 fn fused(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    heads: Option<Heads>,
+    [q, k, v]: [&Tensor; 3],
     scale: f64,
     causal: bool,
     compute: Precision,
 ) -> Result<Option<Tensor>> {
-    let Some(heads) = Heads::of(q.dims(), k.dims(), v.dims()) else { return Ok(None) };
+    let Some(heads) = heads else { return Ok(None) };
     if ![q, k, v].iter().all(|t| is_float(t.dtype())) {
         return Ok(None);
     }
-    let MatmulKernel::Amp(path) = dispatch::explain(q.device(), compute, heads.scores()).kernel else {
+    let MatmulKernel::Amp(path) =
+        dispatch::explain(q.device(), compute, heads.dims(heads.t_q, heads.t_k, heads.d)).kernel
+    else {
         return Ok(None);
     };
     let op = AttentionOp {
@@ -83,10 +111,12 @@ fn fused(
     Ok(Some(q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)?))
 }
 
-/// The sizes: `batch` matrices (the leading dimensions) of `t_q` queries and `t_k` keys, `d` features
-/// per query and key, `d_v` per value.
+/// The sizes, and where the heads lie: `groups` heads side by side in each operand's rows (1 for
+/// `(.., t, d)` operands), each a batch of `batch` matrices; `t_q` queries and `t_k` keys, `d`
+/// features per query and key, `d_v` per value.
 #[derive(Clone, Copy, Debug)]
 struct Heads {
+    groups: usize,
     batch: usize,
     t_q: usize,
     t_k: usize,
@@ -95,7 +125,8 @@ struct Heads {
 }
 
 impl Heads {
-    fn of(q: &[usize], k: &[usize], v: &[usize]) -> Option<Heads> {
+    /// `q` `(.., t_q, d)`, `k` `(.., t_k, d)`, `v` `(.., t_k, d_v)`, the leading dimensions the same.
+    fn batched(q: &[usize], k: &[usize], v: &[usize]) -> Option<Heads> {
         let r = q.len();
         let lead = r.checked_sub(2)?;
         let fits = k.len() == r
@@ -105,6 +136,7 @@ impl Heads {
             && k[r - 1] == q[r - 1]
             && v[r - 2] == k[r - 2];
         fits.then(|| Heads {
+            groups: 1,
             batch: q[..lead].iter().product(),
             t_q: q[lead],
             t_k: k[lead],
@@ -113,36 +145,54 @@ impl Heads {
         })
     }
 
-    /// `q k^T`: `(t_q, t_k)` matrices summing `d` products.
-    fn scores(&self) -> Dims {
-        Dims::batched(self.batch, self.t_q, self.t_k, self.d)
+    /// `q` `(batch, t_q, heads * d)`, `k` `(batch, t_k, heads * d)`, `v` `(batch, t_k, heads * d_v)`.
+    fn side_by_side(q: &[usize], k: &[usize], v: &[usize], heads: usize) -> Option<Heads> {
+        let (&[batch, t_q, qe], &[kb, t_k, ke], &[vb, vt, ve]) = (q, k, v) else { return None };
+        let fits = heads > 0
+            && (kb, vb, vt, ke) == (batch, batch, t_k, qe)
+            && qe.is_multiple_of(heads)
+            && ve.is_multiple_of(heads);
+        fits.then(|| Heads { groups: heads, batch, t_q, t_k, d: qe / heads, d_v: ve / heads })
     }
 
-    fn q<'a>(&self, data: GradSlice<'a>) -> MatRef<'a> {
-        MatRef::row_major(data, self.d).with_batch_stride(self.t_q * self.d)
+    /// Products of `(m, k) x (k, n)` matrices, one per matrix of a group.
+    fn dims(&self, m: usize, n: usize, k: usize) -> Dims {
+        Dims::batched(self.batch, m, n, k)
     }
 
-    fn k<'a>(&self, data: GradSlice<'a>) -> MatRef<'a> {
-        MatRef::row_major(data, self.d).with_batch_stride(self.t_k * self.d)
+    /// Group `g`'s matrices of an operand with `t` rows of `w` features a head.
+    fn operand<'a>(&self, data: GradSlice<'a>, g: usize, t: usize, w: usize) -> MatRef<'a> {
+        let row = self.groups * w;
+        MatRef { data: data.split_at(g * w).1, row_stride: row, col_stride: 1, batch_stride: t * row }
     }
 
-    fn v<'a>(&self, data: GradSlice<'a>) -> MatRef<'a> {
-        MatRef::row_major(data, self.d_v).with_batch_stride(self.t_k * self.d_v)
+    fn q<'a>(&self, data: GradSlice<'a>, g: usize) -> MatRef<'a> {
+        self.operand(data, g, self.t_q, self.d)
     }
 
-    /// The mixed values' gradient, `(t_q, d_v)` matrices.
-    fn mixed<'a>(&self, data: GradSlice<'a>) -> MatRef<'a> {
-        MatRef::row_major(data, self.d_v).with_batch_stride(self.t_q * self.d_v)
+    fn k<'a>(&self, data: GradSlice<'a>, g: usize) -> MatRef<'a> {
+        self.operand(data, g, self.t_k, self.d)
     }
 
-    /// Probabilities or the scores' gradient, `(t_q, t_k)` matrices.
+    fn v<'a>(&self, data: GradSlice<'a>, g: usize) -> MatRef<'a> {
+        self.operand(data, g, self.t_k, self.d_v)
+    }
+
+    /// The result's gradient.
+    fn mixed<'a>(&self, data: GradSlice<'a>, g: usize) -> MatRef<'a> {
+        self.operand(data, g, self.t_q, self.d_v)
+    }
+
+    /// A group's probabilities or scores' gradient, `(t_q, t_k)` matrices.
     fn square<'a>(&self, data: &'a [f32]) -> MatRef<'a> {
         MatRef::row_major(data, self.t_k).with_batch_stride(self.t_q * self.t_k)
     }
 
-    fn shape(&self, lead: &[usize], rows: usize, cols: usize) -> Shape {
-        let mut dims = lead.to_vec();
-        dims.extend([rows, cols]);
+    /// The shape of a result of `rows` rows of `cols` features a head, with the leading dimensions of
+    /// `like`.
+    fn shape(&self, like: &[usize], rows: usize, cols: usize) -> Shape {
+        let mut dims = like[..like.len() - 2].to_vec();
+        dims.extend([rows, self.groups * cols]);
         dims.into()
     }
 }
@@ -160,7 +210,8 @@ struct AttentionOp {
     scale: f32,
     causal: bool,
     heads: Heads,
-    probs: Arc<Mutex<Option<Vec<f32>>>>,
+    /// Each group's probabilities.
+    probs: Arc<Mutex<Option<Vec<Vec<f32>>>>>,
 }
 
 impl AttentionOp {
@@ -172,12 +223,37 @@ impl AttentionOp {
         }
     }
 
-    /// `a · b` in f32, or in `out` rounded once.
-    fn product(&self, out: DType, dims: Dims, a: MatRef<'_>, b: MatRef<'_>) -> Result<CpuStorage> {
-        new_product((self.path, self.compute), out, dims, a, b, None)
+    /// Each group's `a · b` side by side (the operands of group `g` from `operands(g)`), in `out`
+    /// rounded once from the f32 sums.
+    fn products<'a>(
+        &self,
+        out: DType,
+        dims: Dims,
+        operands: impl Fn(usize) -> (MatRef<'a>, MatRef<'a>),
+    ) -> Result<CpuStorage> {
+        let blocks: Vec<_> = (0..self.heads.groups).map(operands).collect();
+        let c = gemm_new_blocks(self.path, dims, &blocks, output_type(out), self.compute)
+            .map_err(candle_core::Error::wrap)?;
+        Ok(storage_of(c))
     }
 
-    fn kept(&self) -> Result<MutexGuard<'_, Option<Vec<f32>>>> {
+    /// Each group's `a · b` in f32, apart.
+    fn squares<'a>(
+        &self,
+        dims: Dims,
+        operands: impl Fn(usize) -> (MatRef<'a>, MatRef<'a>),
+    ) -> Result<Vec<Vec<f32>>> {
+        (0..self.heads.groups)
+            .map(|g| {
+                let (a, b) = operands(g);
+                let c = gemm_new_blocks(self.path, dims, &[(a, b)], output_type(DType::F32), self.compute)
+                    .map_err(candle_core::Error::wrap)?;
+                f32s(storage_of(c))
+            })
+            .collect()
+    }
+
+    fn kept(&self) -> Result<MutexGuard<'_, Option<Vec<Vec<f32>>>>> {
         self.probs.lock().map_err(|_| {
             candle_core::Error::Msg("amp attention: a panic poisoned the kept probabilities".into())
         })
@@ -212,15 +288,19 @@ impl CustomOp3 for AttentionOp {
     ) -> Result<(CpuStorage, Shape)> {
         let h = self.heads;
         let (q, k, v) = (elements(s1, l1)?, elements(s2, l2)?, elements(s3, l3)?);
-        let scores = f32s(self.product(DType::F32, h.scores(), h.q(q), t(h.k(k)))?)?;
-        let mut probs = vec![0f32; scores.len()];
-        softmax::forward(&scores, h.t_k, self.scale, self.mask(), &mut probs);
-        drop(scores);
+        let scores = self.squares(h.dims(h.t_q, h.t_k, h.d), |g| (h.q(q, g), t(h.k(k, g))))?;
+        let probs: Vec<Vec<f32>> = scores
+            .into_iter()
+            .map(|scores| {
+                let mut probs = vec![0f32; scores.len()];
+                softmax::forward(&scores, h.t_k, self.scale, self.mask(), &mut probs);
+                probs
+            })
+            .collect();
         let mixed =
-            self.product(DType::F32, Dims::batched(h.batch, h.t_q, h.d_v, h.t_k), h.square(&probs), h.v(v))?;
+            self.products(DType::F32, h.dims(h.t_q, h.d_v, h.t_k), |g| (h.square(&probs[g]), h.v(v, g)))?;
         *self.kept()? = Some(probs);
-        let lead = &l1.dims()[..l1.dims().len() - 2];
-        Ok((mixed, h.shape(lead, h.t_q, h.d_v)))
+        Ok((mixed, h.shape(l1.dims(), h.t_q, h.d_v)))
     }
 
     fn bwd(
@@ -240,41 +320,39 @@ impl CustomOp3 for AttentionOp {
         let probs = kept
             .as_deref()
             .ok_or_else(|| candle_core::Error::Msg("amp attention: no kept probabilities".into()))?;
-        let lead = &q.dims()[..q.rank() - 2];
         let tensor =
-            |storage: CpuStorage, rows: usize, cols: usize| tensor_of(storage, h.shape(lead, rows, cols));
+            |storage: CpuStorage, rows: usize, cols: usize| tensor_of(storage, h.shape(q.dims(), rows, cols));
 
         let (needs_q, needs_k, needs_v) = (needs_gradient(q), needs_gradient(k), needs_gradient(v));
         let (mut dq, mut dk, mut dv) = (None, None, None);
         if needs_q || needs_k {
             // The probabilities' gradient, then the scores' (the scale and the mask folded in).
-            let dprobs = self.product(
-                DType::F32,
-                Dims::batched(h.batch, h.t_q, h.t_k, h.d_v),
-                h.mixed(dmixed),
-                t(h.v(vs)),
-            )?;
-            let dprobs = f32s(dprobs)?;
-            let mut dscores = vec![0f32; dprobs.len()];
-            softmax::backward(probs, &dprobs, h.t_k, self.scale, &mut dscores);
+            let dprobs =
+                self.squares(h.dims(h.t_q, h.t_k, h.d_v), |g| (h.mixed(dmixed, g), t(h.v(vs, g))))?;
+            let dscores: Vec<Vec<f32>> = dprobs
+                .iter()
+                .zip(probs)
+                .map(|(dprobs, probs)| {
+                    let mut dscores = vec![0f32; dprobs.len()];
+                    softmax::backward(probs, dprobs, h.t_k, self.scale, &mut dscores);
+                    dscores
+                })
+                .collect();
             drop(dprobs);
-            let ds = h.square(&dscores);
+            let ds = |g: usize| h.square(&dscores[g]);
             if needs_q {
-                let dims = Dims::batched(h.batch, h.t_q, h.d, h.t_k);
-                dq = Some(tensor(self.product(q.dtype(), dims, ds, h.k(ks))?, h.t_q, h.d)?);
+                let c = self.products(q.dtype(), h.dims(h.t_q, h.d, h.t_k), |g| (ds(g), h.k(ks, g)))?;
+                dq = Some(tensor(c, h.t_q, h.d)?);
             }
             if needs_k {
-                let dims = Dims::batched(h.batch, h.t_k, h.d, h.t_q);
-                dk = Some(tensor(self.product(k.dtype(), dims, t(ds), h.q(qs))?, h.t_k, h.d)?);
+                let c = self.products(k.dtype(), h.dims(h.t_k, h.d, h.t_q), |g| (t(ds(g)), h.q(qs, g)))?;
+                dk = Some(tensor(c, h.t_k, h.d)?);
             }
         }
         if needs_v {
-            let dims = Dims::batched(h.batch, h.t_k, h.d_v, h.t_q);
-            dv = Some(tensor(
-                self.product(v.dtype(), dims, t(h.square(probs)), h.mixed(dmixed))?,
-                h.t_k,
-                h.d_v,
-            )?);
+            let dims = h.dims(h.t_k, h.d_v, h.t_q);
+            let c = self.products(v.dtype(), dims, |g| (t(h.square(&probs[g])), h.mixed(dmixed, g)))?;
+            dv = Some(tensor(c, h.t_k, h.d_v)?);
         }
         Ok((deposit(q, dq)?, deposit(k, dk)?, deposit(v, dv)?))
     }
@@ -332,11 +410,19 @@ mod tests {
             .collect()
     }
 
+    /// Query, key and value shapes, and the heads side by side in them (`None`: a batch of heads).
+    type Case = ([&'static [usize]; 3], Option<usize>);
+
+    const CASES: [Case; 3] = [
+        ([&[2, 3, 9, 16], &[2, 3, 9, 16], &[2, 3, 9, 16]], None),
+        ([&[4, 5, 8], &[4, 11, 8], &[4, 11, 6]], None),
+        ([&[2, 5, 24], &[2, 11, 24], &[2, 11, 18]], Some(3)),
+    ];
+
     #[test]
     fn computes_the_composition_bit_for_bit_forward_and_backward() -> Result<()> {
         let dev = Device::Cpu;
-        let shapes: [[&[usize]; 3]; 2] = [[&[2, 3, 9, 16]; 3], [&[4, 5, 8], &[4, 11, 8], &[4, 11, 6]]];
-        for shape in shapes {
+        for (shape, heads) in CASES {
             let qkv = shape.map(|s| Var::from_tensor(&Tensor::randn(0f32, 1.5, s, &dev)?));
             let [q, k, v] = qkv;
             let qkv = [q?, k?, v?];
@@ -355,9 +441,19 @@ mod tests {
             for causal in [false, true] {
                 for (over, compute) in paths {
                     let run = || -> Result<[Vec<Vec<u32>>; 2]> {
-                        let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-                        let ours = fused(q, k, v, scale, causal, compute)?.expect("amp's GEMM on the CPU");
-                        let theirs = composed(q, k, v, causal, compute)?;
+                        let (ours, theirs) = match heads {
+                            None => (
+                                scaled_dot_product_attention(q, k, v, causal, compute)?,
+                                composed(q, k, v, causal, compute)?,
+                            ),
+                            Some(heads) => {
+                                let [qh, kh, vh] = [q, k, v].map(|x| split_heads(x, heads));
+                                let apart = composed(&qh?, &kh?, &vh?, causal, compute)?;
+                                (attention_of_heads([q, k, v], heads, causal, compute)?, merge_heads(&apart)?)
+                            }
+                        };
+                        let nodes = ours.sorted_nodes().into_iter().filter(|t| !t.is_variable()).count();
+                        assert_eq!(nodes, 1, "the op alone");
                         Ok([bits_of(&ours, &g, &qkv)?, bits_of(&theirs, &g, &qkv)?])
                     };
                     let [ours, theirs] = with_override(over, run).map_err(candle_core::Error::wrap)??;

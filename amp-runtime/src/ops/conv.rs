@@ -16,11 +16,11 @@
 
 use amp_kernels::conv::{fold, unfold, ConvShape};
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
-use amp_kernels::{GradSlice, GradSliceMut};
+use amp_kernels::GradSlice;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use half::{bf16, f16};
 
+use super::buffer::Buffer;
 use super::gemm::{deposit, is_float, needs_gradient, read_from};
 use super::Operand;
 use crate::dispatch::{self, compute_of, MatmulKernel};
@@ -352,54 +352,5 @@ fn dtype_of(s: GradSlice<'_>) -> DType {
         GradSlice::F32(_) => DType::F32,
         GradSlice::F16(_) => DType::F16,
         GradSlice::Bf16(_) => DType::BF16,
-    }
-}
-
-/// A zeroed buffer of f32, f16 or bf16 that becomes a tensor's storage.
-enum Buffer {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    Bf16(Vec<bf16>),
-}
-
-impl Buffer {
-    fn zeros(dtype: DType, len: usize) -> Result<Buffer> {
-        Ok(match dtype {
-            DType::F32 => Buffer::F32(vec![0.0; len]),
-            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
-            DType::BF16 => Buffer::Bf16(vec![bf16::ZERO; len]),
-            other => {
-                return Err(candle_core::Error::UnsupportedDTypeForOp(other, "amp conv (f32, f16, bf16)"))
-            }
-        })
-    }
-
-    fn as_ref(&self) -> GradSlice<'_> {
-        match self {
-            Buffer::F32(v) => v[..].into(),
-            Buffer::F16(v) => v[..].into(),
-            Buffer::Bf16(v) => v[..].into(),
-        }
-    }
-
-    fn as_mut(&mut self) -> GradSliceMut<'_> {
-        match self {
-            Buffer::F32(v) => (&mut v[..]).into(),
-            Buffer::F16(v) => (&mut v[..]).into(),
-            Buffer::Bf16(v) => (&mut v[..]).into(),
-        }
-    }
-
-    /// Elements `start..start + len`.
-    fn range(&mut self, start: usize, len: usize) -> GradSliceMut<'_> {
-        self.as_mut().split_at(start).1.split_at(len).0
-    }
-
-    fn into_storage(self) -> CpuStorage {
-        match self {
-            Buffer::F32(v) => CpuStorage::F32(v),
-            Buffer::F16(v) => CpuStorage::F16(v),
-            Buffer::Bf16(v) => CpuStorage::BF16(v),
-        }
     }
 }

@@ -274,17 +274,26 @@ pub(super) fn new_product(
     b: MatRef<'_>,
     bias: Option<&[f32]>,
 ) -> Result<CpuStorage> {
-    let out = match out {
+    let c = gemm_new(path, dims, a, b, output_type(out), compute, bias).map_err(candle_core::Error::wrap)?;
+    Ok(storage_of(c))
+}
+
+/// The type of a new C for output dtype `out`: f16, bf16, else f32.
+pub(super) fn output_type(out: DType) -> OutputType {
+    match out {
         DType::F16 => OutputType::F16,
         DType::BF16 => OutputType::Bf16,
         _ => OutputType::F32,
-    };
-    let c = gemm_new(path, dims, a, b, out, compute, bias).map_err(candle_core::Error::wrap)?;
-    Ok(match c {
+    }
+}
+
+/// A new C as candle's storage.
+pub(super) fn storage_of(c: NewOutput) -> CpuStorage {
+    match c {
         NewOutput::F32(v) => CpuStorage::F32(v),
         NewOutput::F16(v) => CpuStorage::F16(v),
         NewOutput::Bf16(v) => CpuStorage::BF16(v),
-    })
+    }
 }
 
 impl CustomOp2 for GemmOp {

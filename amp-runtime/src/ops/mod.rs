@@ -28,6 +28,7 @@
 //! ```
 
 mod attention;
+mod buffer;
 mod column_sums;
 mod conv;
 mod elementwise;
@@ -35,12 +36,13 @@ mod fp32;
 pub(crate) mod fused_softmax;
 mod gelu;
 mod gemm;
-pub(crate) mod heads;
+mod heads;
 mod layer_norm;
 pub mod loss;
 mod promote;
 mod relu;
 
+pub(crate) use attention::attention_of_heads;
 pub use attention::scaled_dot_product_attention;
 pub(crate) use conv::{conv2d, ConvParams};
 pub use fp32::{

@@ -79,6 +79,30 @@ pub(crate) fn run_new<T: NewElement>(
     c
 }
 
+/// [`run_new`] for products side by side: C `(batch, m, blocks * n)`, block `g` of columns
+/// `A_g·B_g`, where `blocks` lists each block's operands.
+pub(crate) fn run_new_blocks<T: NewElement>(
+    path: GemmPath,
+    dims: Dims,
+    blocks: &[(MatRef<'_>, MatRef<'_>)],
+    compute: Compute,
+) -> Vec<T> {
+    let width = blocks.len() * dims.n;
+    let len = dims.batch * dims.m * width;
+    let mut c: Vec<T> = Vec::with_capacity(len);
+    for (g, &(a, b)) in blocks.iter().enumerate() {
+        // Block g's columns start at `g * n < width`, inside C's `len` elements unless C is empty (an
+        // empty batch or m), when the job writes nothing.
+        let ptr = c.as_mut_ptr().wrapping_add(g * dims.n);
+        let out = Out { ptr: T::ptr(ptr), row_stride: width, batch_stride: dims.m * width };
+        run_job(path, Job { dims, a, b, out, compute, start: Start::Zero });
+    }
+    // SAFETY: the blocks' columns partition each row of C (row stride `width`, batch stride
+    // `m * width`), and each job wrote every element of its columns, as in `run_new`.
+    unsafe { c.set_len(len) };
+    c
+}
+
 /// An element type of C.
 pub(crate) trait NewElement: Sized {
     fn ptr(p: *mut Self) -> Ptr;

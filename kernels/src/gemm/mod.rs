@@ -153,6 +153,37 @@ pub fn gemm_new(
     })
 }
 
+/// Products side by side: `C = [A_0·B_0 | A_1·B_1 | ..]` into a new C `(batch, m, blocks * n)` of `out`'s
+/// type, block `g` the columns `g * n .. (g + 1) * n` of every row, each product `(batch, m, n)` with
+/// `k` steps (`dims`). Allocated and written once, as [`gemm_new`]'s C: attention's heads written
+/// where a `(batch, t, heads * d)` activation holds them, without a permuted copy.
+///
+/// # Errors
+/// As [`gemm_with`], for any block's operands.
+pub fn gemm_new_blocks(
+    path: GemmPath,
+    dims: Dims,
+    blocks: &[(MatRef<'_>, MatRef<'_>)],
+    out: OutputType,
+    compute: Compute,
+) -> Result<NewOutput, GemmError> {
+    path.check(compute)?;
+    for (a, b) in blocks {
+        layout::check_operands(dims, a, b)?;
+    }
+    blocks
+        .len()
+        .checked_mul(dims.n)
+        .and_then(|w| w.checked_mul(dims.m))
+        .and_then(|x| x.checked_mul(dims.batch))
+        .expect("C fits in memory");
+    Ok(match out {
+        OutputType::F32 => NewOutput::F32(driver::run_new_blocks(path, dims, blocks, compute)),
+        OutputType::F16 => NewOutput::F16(driver::run_new_blocks(path, dims, blocks, compute)),
+        OutputType::Bf16 => NewOutput::Bf16(driver::run_new_blocks(path, dims, blocks, compute)),
+    })
+}
+
 /// What each element of C starts from before the products are added.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Start<'a> {
