@@ -6,7 +6,8 @@
 //!
 //! Floats are split into fixed chunks on the current rayon pool; inside a chunk, blocks are widened
 //! to f32, computed by loops compiled for the widest vector extension the CPU has (`tanh` from
-//! [`crate::exp::exp_nonpositive`], no library call), and narrowed. Each element's result is the same
+//! [`crate::exp::exp_nonpositive`], no library call), and narrowed (f32 chunks are computed where they
+//! lie, without the copies). Each element's result is the same
 //! on every path and thread count.
 
 use rayon::prelude::*;
@@ -85,6 +86,9 @@ fn backward_from<G: Float>(x: GradSlice<'_>, dy: &[G], dx: GradSliceMut<'_>) {
 
 fn map<T: Float>(x: &[T], y: &mut [T]) {
     y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
+        if let (Some(x), Some(y)) = (T::as_f32(x), T::as_f32_mut(y)) {
+            return values(x, y);
+        }
         let (mut wide, mut out) = ([0f32; BLOCK], [0f32; BLOCK]);
         for (y, x) in y.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
             let (wide, out) = (&mut wide[..x.len()], &mut out[..x.len()]);
@@ -97,6 +101,9 @@ fn map<T: Float>(x: &[T], y: &mut [T]) {
 
 fn map_with<T: Float, G: Float>(x: &[T], dy: &[G], dx: &mut [T]) {
     dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK))).for_each(|(dx, (x, dy))| {
+        if let (Some(x), Some(dy), Some(dx)) = (T::as_f32(x), G::as_f32(dy), T::as_f32_mut(dx)) {
+            return gradients(x, dy, dx);
+        }
         let (mut wide, mut grad, mut out) = ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
         for (dx, (x, dy)) in dx.chunks_mut(BLOCK).zip(x.chunks(BLOCK).zip(dy.chunks(BLOCK))) {
             let n = x.len();

@@ -36,8 +36,7 @@ pub fn forward(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>,
         let first = block * ROWS_PER_BLOCK;
         let mut row = vec![0f32; d];
         for (i, y) in ys.chunks_exact_mut(d).enumerate() {
-            widen_row(x, (first + i) * d, &mut row);
-            forward_row(&row, weight, bias, eps, y);
+            forward_row(widen_row(x, (first + i) * d, &mut row), weight, bias, eps, y);
         }
     });
 }
@@ -100,9 +99,15 @@ pub fn backward(
             let (mut row, mut grad) = (vec![0f32; d], vec![0f32; d]);
             let mut sums = vec![0f32; 2 * d];
             for (i, dx) in dxs.chunks_exact_mut(d).enumerate() {
-                widen_row(x, (first + i) * d, &mut row);
-                widen_row(dy, (first + i) * d, &mut grad);
-                backward_row(&row, &grad, weight, eps, dx, &mut sums);
+                let at = (first + i) * d;
+                backward_row(
+                    widen_row(x, at, &mut row),
+                    widen_row(dy, at, &mut grad),
+                    weight,
+                    eps,
+                    dx,
+                    &mut sums,
+                );
             }
             sums
         })
@@ -167,16 +172,18 @@ fn lane_sum(n: usize, term: impl Fn(usize) -> f64) -> f64 {
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 }
 
-/// Row `d` elements from `at` of `x`, as f32.
-fn widen_row(x: GradSlice<'_>, at: usize, out: &mut [f32]) {
-    let d = out.len();
+/// The row of `d = buffer.len()` elements from `at` of `x` as f32: where it lies when `x` is f32,
+/// else widened into `buffer`.
+fn widen_row<'a>(x: GradSlice<'a>, at: usize, buffer: &'a mut [f32]) -> &'a [f32] {
+    let d = buffer.len();
     match x {
-        GradSlice::F32(s) => out.copy_from_slice(&s[at..at + d]),
+        GradSlice::F32(s) => return &s[at..at + d],
         GradSlice::F16(s) => {
-            out.iter_mut().zip(&s[at..at + d]).for_each(|(o, v)| *o = crate::branchless::f16_to_f32(*v))
+            buffer.iter_mut().zip(&s[at..at + d]).for_each(|(o, v)| *o = crate::branchless::f16_to_f32(*v))
         }
-        GradSlice::Bf16(s) => out.iter_mut().zip(&s[at..at + d]).for_each(|(o, v)| *o = bf16::to_f32(*v)),
+        GradSlice::Bf16(s) => buffer.iter_mut().zip(&s[at..at + d]).for_each(|(o, v)| *o = bf16::to_f32(*v)),
     }
+    buffer
 }
 
 /// A row's mean and `1 / sqrt(var + eps)`, accumulated in f64 (two passes: the variance of the

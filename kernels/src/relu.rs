@@ -4,8 +4,8 @@
 //! activation) and `-0` stays `-0`. The backward is PyTorch's: `dx = y > 0 ? dy : 0` from the output
 //! `y`, so the slope at 0 is 0 (candle's own `relu` backward takes it as 1), and a NaN output passes no
 //! gradient. Both are exact in every dtype (a select, no arithmetic), and both run in fixed chunks on the
-//! current rayon pool, widened to f32 by blocks where the dtype is half, with loops compiled for the
-//! widest vector extension the CPU has.
+//! current rayon pool, widened to f32 by blocks where the dtype is half (f32 read where it lies), with
+//! loops compiled for the widest vector extension the CPU has.
 
 use rayon::prelude::*;
 
@@ -24,9 +24,7 @@ const BLOCK: usize = 256;
 pub fn forward(x: GradSlice<'_>, y: GradSliceMut<'_>) {
     assert_eq!(x.len(), y.len(), "relu: x and y lengths");
     match (x, y) {
-        (GradSlice::F32(x), GradSliceMut::F32(y)) => {
-            y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| clamp_into(x, y));
-        }
+        (GradSlice::F32(x), GradSliceMut::F32(y)) => map(x, y),
         (GradSlice::F16(x), GradSliceMut::F16(y)) => map(x, y),
         (GradSlice::Bf16(x), GradSliceMut::Bf16(y)) => map(x, y),
         (x, y) => panic!("relu: x is {:?} but y is {:?}", x.dtype(), y.dtype()),
@@ -71,6 +69,9 @@ fn backward_from<Y: Float>(y: &[Y], dy: GradSlice<'_>, dx: GradSliceMut<'_>) {
 
 fn in_place<T: Float>(y: &mut [T]) {
     y.par_chunks_mut(CHUNK).for_each(|y| {
+        if let Some(y) = T::as_f32_mut(y) {
+            return clamp_block(y);
+        }
         let mut wide = [0f32; BLOCK];
         for y in y.chunks_mut(BLOCK) {
             let wide = &mut wide[..y.len()];
@@ -83,6 +84,9 @@ fn in_place<T: Float>(y: &mut [T]) {
 
 fn map<T: Float>(x: &[T], y: &mut [T]) {
     y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
+        if let (Some(x), Some(y)) = (T::as_f32(x), T::as_f32_mut(y)) {
+            return clamp_into(x, y);
+        }
         let mut wide = [0f32; BLOCK];
         for (y, x) in y.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
             let wide = &mut wide[..x.len()];
@@ -95,6 +99,9 @@ fn map<T: Float>(x: &[T], y: &mut [T]) {
 
 fn masked<Y: Float, G: Float>(y: &[Y], dy: &[G], dx: &mut [G]) {
     dx.par_chunks_mut(CHUNK).zip(y.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK))).for_each(|(dx, (y, dy))| {
+        if let (Some(y), Some(dy), Some(dx)) = (Y::as_f32(y), G::as_f32(dy), G::as_f32_mut(dx)) {
+            return mask_block(y, dy, dx);
+        }
         let (mut out, mut grad, mut wide) = ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
         for (dx, (y, dy)) in dx.chunks_mut(BLOCK).zip(y.chunks(BLOCK).zip(dy.chunks(BLOCK))) {
             let n = y.len();

@@ -304,6 +304,15 @@ impl<'a> crate::par::Tensors for &[GradSlice<'a>] {
 pub(crate) trait Float: Copy + Default + Send + Sync {
     fn widen(src: &[Self], dst: &mut [f32]);
     fn narrow(src: &[f32], dst: &mut [Self]);
+    /// The elements themselves when they are f32: a loop can read them where they lie instead of
+    /// widening a copy.
+    fn as_f32(_src: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    /// As [`Float::as_f32`], to write.
+    fn as_f32_mut(_dst: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
 }
 
 impl Float for f32 {
@@ -312,6 +321,12 @@ impl Float for f32 {
     }
     fn narrow(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    fn as_f32(src: &[f32]) -> Option<&[f32]> {
+        Some(src)
+    }
+    fn as_f32_mut(dst: &mut [f32]) -> Option<&mut [f32]> {
+        Some(dst)
     }
 }
 
