@@ -31,14 +31,18 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0;
     // Clamped so that the exponent bits below stay a normal number's; the result is replaced after.
     let clamped = x.clamp(UNDERFLOW, 0.0);
-    let n = (clamped * LOG2_E + ROUND) - ROUND;
+    let shifted = clamped * LOG2_E + ROUND;
+    let n = shifted - ROUND;
+    // n as an integer: `shifted` lies in [2^23, 2^24), where the float's step is 1, so its bits minus
+    // ROUND's are n itself (an `as i32` cast saturates, which the compiler does one lane at a time).
+    let n_int = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
     let r = (clamped - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let e = p * f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let e = p * f32::from_bits(((n_int + 127) as u32) << 23);
     if x.is_nan() {
         f32::NAN
     } else if x < UNDERFLOW {
