@@ -16,6 +16,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use crate::lanes::lane_sum;
 use crate::GradSlice;
 
 /// Rows per block of the work split.
@@ -149,27 +150,6 @@ fn backward_row_any(row: &[f32], grad: &[f32], weight: &[f32], eps: f32, dx: &mu
         let xhat = (row[j] - mean) * rstd;
         dx[j] = rstd * (grad[j] * weight[j] - mean_g - xhat * mean_gx);
     }
-}
-
-/// Independent f64 accumulators of a sum, which the compiler keeps in vector registers: element `j`
-/// goes to lane `j % LANES` (the last `d % LANES` to the first lanes), and the lanes are added in a fixed
-/// tree at the end, so every version of the loop computes the same bits.
-const LANES: usize = 8;
-
-/// `sum over j < n of term(j)`, in lanes.
-#[inline(always)]
-fn lane_sum(n: usize, term: impl Fn(usize) -> f64) -> f64 {
-    let mut acc = [0f64; LANES];
-    let whole = n - n % LANES;
-    for base in (0..whole).step_by(LANES) {
-        for (l, a) in acc.iter_mut().enumerate() {
-            *a += term(base + l);
-        }
-    }
-    for (l, a) in acc.iter_mut().enumerate().take(n - whole) {
-        *a += term(whole + l);
-    }
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 }
 
 /// The row of `d = buffer.len()` elements from `at` of `x` as f32: where it lies when `x` is f32,

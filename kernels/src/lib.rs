@@ -64,6 +64,7 @@ pub mod exp;
 pub mod gelu;
 pub mod gemm;
 mod isa;
+mod lanes;
 pub mod layer_norm;
 pub mod norm;
 pub mod optim;

@@ -5,7 +5,8 @@
 //! `m = max_k v_k`; masked columns are 0. Backward, from the output `y` and its gradient `dy`:
 //! `dx_j = scale * y_j * (dy_j - sum_k y_k dy_k)` (masked columns get 0, as their `y` is 0).
 //!
-//! The sums are accumulated in f64 and each result is rounded to f32 once; `e^..` is
+//! The sums are accumulated in f64 (in eight lanes added in a fixed order, the maximum in sixteen: the
+//! loops vectorise, and every version computes the same bits) and each result is rounded to f32 once; `e^..` is
 //! [`crate::exp::exp_nonpositive`] (2 ulps), so a row is within a few f32 roundings of the f64
 //! definition (`tests` states the bound). Non-finite inputs behave as the definition computed in f32:
 //! `-inf` gives an exact 0, and a row with a NaN, a `+inf`, or no finite visible value is NaN.
@@ -16,6 +17,7 @@
 use rayon::prelude::*;
 
 use crate::exp::exp_nonpositive;
+use crate::lanes::{lane_max, lane_sum};
 
 /// Rows per block of the work split.
 const ROWS_PER_BLOCK: usize = 32;
@@ -80,12 +82,12 @@ fn forward_row(x: &[f32], scale: f32, y: &mut [f32]) {
         *v = scale * x;
     }
     // `f32::max` skips NaN; a NaN still reaches the sum below through `v - m`.
-    let max = shown.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let max = lane_max(shown.len(), |j| shown[j]);
     for v in shown.iter_mut() {
         *v = exp_nonpositive(*v - max);
     }
-    // In order, in f64: a loop of its own, so that the one above vectorises.
-    let sum: f64 = shown.iter().map(|&v| f64::from(v)).sum();
+    // In f64 lanes: a loop of its own, so that the one above vectorises.
+    let sum = lane_sum(shown.len(), |j| f64::from(shown[j]));
     let inverse = 1.0 / sum;
     for v in shown.iter_mut() {
         *v = (f64::from(*v) * inverse) as f32;
@@ -120,7 +122,7 @@ fn backward_block_any(y: &[f32], dy: &[f32], cols: usize, scale: f32, first: usi
     for (i, dx) in dxs.chunks_exact_mut(cols).enumerate() {
         let at = (first + i) * cols;
         let (y, dy) = (&y[at..][..cols], &dy[at..][..cols]);
-        let dot: f64 = y.iter().zip(dy).map(|(&y, &g)| f64::from(y) * f64::from(g)).sum();
+        let dot = lane_sum(cols, |j| f64::from(y[j]) * f64::from(dy[j]));
         let scale = f64::from(scale);
         for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(dy) {
             *dx = (scale * f64::from(y) * (f64::from(g) - dot)) as f32;
