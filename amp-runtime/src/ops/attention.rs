@@ -48,9 +48,10 @@ pub fn scaled_dot_product_attention(
     compute: Precision,
 ) -> Result<Tensor> {
     let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-    let heads = Heads::batched(q.dims(), k.dims(), v.dims());
-    if let Some(mixed) = fused(heads, [q, k, v], scale, causal, compute)? {
-        return Ok(mixed);
+    if let Some(heads) = Heads::batched(q.dims(), k.dims(), v.dims()) {
+        if let Some(mixed) = fused(heads, [q, k, v], causal, compute)? {
+            return Ok(mixed);
+        }
     }
     let scale_in_softmax = dispatch::runs_on_amp_gemm(q.device(), compute);
     let q = if scale_in_softmax { q.clone() } else { (q * scale)? };
@@ -71,10 +72,8 @@ pub(crate) fn attention_of_heads(
     causal: bool,
     compute: Precision,
 ) -> Result<Tensor> {
-    let fused_heads = Heads::side_by_side(q.dims(), k.dims(), v.dims(), heads);
-    if let Some(d) = fused_heads.map(|h| h.d) {
-        let scale = 1.0 / (d as f64).sqrt();
-        if let Some(mixed) = fused(fused_heads, [q, k, v], scale, causal, compute)? {
+    if let Some(side_by_side) = Heads::side_by_side(q.dims(), k.dims(), v.dims(), heads) {
+        if let Some(mixed) = fused(side_by_side, [q, k, v], causal, compute)? {
             return Ok(mixed);
         }
     }
@@ -82,16 +81,9 @@ pub(crate) fn attention_of_heads(
     merge_heads(&scaled_dot_product_attention(&q?, &k?, &v?, causal, compute)?)
 }
 
-/// The one-op version, or `None` where it does not apply: not amp's GEMM, a dtype other than f32, f16
-/// and bf16, or shapes that do not fit (`heads` is `None`).
-fn fused(
-    heads: Option<Heads>,
-    [q, k, v]: [&Tensor; 3],
-    scale: f64,
-    causal: bool,
-    compute: Precision,
-) -> Result<Option<Tensor>> {
-    let Some(heads) = heads else { return Ok(None) };
+/// The one-op version (scale `1/sqrt(d)`), or `None` where it does not apply: not amp's GEMM, or a
+/// dtype other than f32, f16 and bf16.
+fn fused(heads: Heads, [q, k, v]: [&Tensor; 3], causal: bool, compute: Precision) -> Result<Option<Tensor>> {
     if ![q, k, v].iter().all(|t| is_float(t.dtype())) {
         return Ok(None);
     }
@@ -103,7 +95,7 @@ fn fused(
     let op = AttentionOp {
         path,
         compute: compute_of(compute),
-        scale: scale as f32,
+        scale: (1.0 / (heads.d as f64).sqrt()) as f32,
         causal,
         heads,
         probs: Arc::default(),
