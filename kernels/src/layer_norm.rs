@@ -143,8 +143,8 @@ fn backward_row_any(row: &[f32], grad: &[f32], weight: &[f32], eps: f32, dx: &mu
         dbias[j] += grad[j];
         dx[j] = grad[j] * weight[j] * xhat;
     }
-    let sum_g = lane_sum(d, |j| f64::from(grad[j] * weight[j]));
-    let sum_gx = lane_sum(d, |j| f64::from(dx[j]));
+    let sum_g = lane_sum(grad, weight, |g, w| f64::from(g * w));
+    let sum_gx = lane_sum(dx, dx, |gx, _| f64::from(gx));
     let (mean_g, mean_gx) = ((sum_g / d as f64) as f32, (sum_gx / d as f64) as f32);
     for j in 0..d {
         let xhat = (row[j] - mean) * rstd;
@@ -171,9 +171,9 @@ fn widen_row<'a>(x: GradSlice<'a>, at: usize, buffer: &'a mut [f32]) -> &'a [f32
 #[inline(always)]
 fn stats(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len();
-    let mean = lane_sum(n, |j| f64::from(row[j])) / n as f64;
-    let var = lane_sum(n, |j| {
-        let centred = f64::from(row[j]) - mean;
+    let mean = lane_sum(row, row, |x, _| f64::from(x)) / n as f64;
+    let var = lane_sum(row, row, |x, _| {
+        let centred = f64::from(x) - mean;
         centred * centred
     }) / n as f64;
     (mean as f32, (1.0 / (var + f64::from(eps)).sqrt()) as f32)

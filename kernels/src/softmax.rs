@@ -82,12 +82,12 @@ fn forward_row(x: &[f32], scale: f32, y: &mut [f32]) {
         *v = scale * x;
     }
     // `f32::max` skips NaN; a NaN still reaches the sum below through `v - m`.
-    let max = lane_max(shown.len(), |j| shown[j]);
+    let max = lane_max(shown);
     for v in shown.iter_mut() {
         *v = exp_nonpositive(*v - max);
     }
     // In f64 lanes: a loop of its own, so that the one above vectorises.
-    let sum = lane_sum(shown.len(), |j| f64::from(shown[j]));
+    let sum = lane_sum(shown, shown, |v, _| f64::from(v));
     let inverse = 1.0 / sum;
     for v in shown.iter_mut() {
         *v = (f64::from(*v) * inverse) as f32;
@@ -122,7 +122,7 @@ fn backward_block_any(y: &[f32], dy: &[f32], cols: usize, scale: f32, first: usi
     for (i, dx) in dxs.chunks_exact_mut(cols).enumerate() {
         let at = (first + i) * cols;
         let (y, dy) = (&y[at..][..cols], &dy[at..][..cols]);
-        let dot = lane_sum(cols, |j| f64::from(y[j]) * f64::from(dy[j]));
+        let dot = lane_sum(y, dy, |y, g| f64::from(y) * f64::from(g));
         let scale = f64::from(scale);
         for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(dy) {
             *dx = (scale * f64::from(y) * (f64::from(g) - dot)) as f32;
