@@ -100,6 +100,18 @@ fn wait_until(child: &mut Child, deadline: Instant) -> std::io::Result<Option<Ex
     }
 }
 
+/// Pins the GEMM path from the CPU's features alone. Left automatic, bf16 products go to `vdpbf16ps`
+/// or to the FMA path by a rate each process measures (`amp_kernels::gemm::dot_product_speedup`), and
+/// the tests compare one rank's gradient of some rows with another's of the same rows bit for bit: two
+/// processes must not be able to choose differently (a loaded machine could make the measurement
+/// differ; once in CI a rank's bf16 gradients differed from the other's on the same rows).
+fn same_kernels_on_every_rank() -> Outcome {
+    use amp::dispatch::{Compute, GemmPath, Override};
+    let path = GemmPath::choose_for(Compute::Bf16, amp_kernels::Isa::detect());
+    amp::dispatch::set_override(Override::Path(path))?;
+    Ok(())
+}
+
 /// In the parent: runs `test` on `ranks` ranks and asserts that every rank finished its work and the
 /// job succeeded. In a rank: `work` on MPI's world; an error ends the whole job at once (MPI_Abort), as
 /// does a panic (`Mpi` aborts when dropped while unwinding), so that no rank waits for a failed one.
@@ -116,6 +128,7 @@ pub fn on_ranks_with_env(
 ) -> Outcome {
     if is_rank() {
         let comm = Mpi::init()?;
+        same_kernels_on_every_rank()?;
         if let Err(e) = work(&comm) {
             eprintln!("rank {} of `{test}` failed: {e}", comm.rank());
             comm.abort(1);
