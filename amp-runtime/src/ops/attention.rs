@@ -13,18 +13,19 @@
 //! packing, as [`super::matmul_to`] does: the op computes what the composition computes, bit for bit,
 //! in fewer passes over memory.
 
-use std::ops::Deref;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use amp_kernels::gemm::{gemm_new_blocks, Compute, Dims, GemmPath, MatRef};
 use amp_kernels::softmax::{self, Mask};
 use amp_kernels::GradSlice;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, D};
 
+use super::elementwise::elements;
 use super::gemm::{deposit, is_float, needs_gradient, output_type, storage_of};
 use super::heads::{merge_heads, split_heads};
 use crate::dispatch::{self, compute_of, MatmulKernel};
+use crate::storage::with_slices;
 use crate::Precision;
 
 /// Attention over a batch of heads: `softmax(q k^T / sqrt(d) + mask) v` for `q` `(.., t_q, d)`, `k`
@@ -260,10 +261,6 @@ fn f32s(storage: CpuStorage) -> Result<Vec<f32>> {
     }
 }
 
-fn elements<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<GradSlice<'a>> {
-    crate::storage::read_slice(storage, layout).map_err(candle_core::Error::wrap)
-}
-
 impl CustomOp3 for AttentionOp {
     fn name(&self) -> &'static str {
         "amp-attention"
@@ -303,11 +300,25 @@ impl CustomOp3 for AttentionOp {
         _mixed: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let h = self.heads;
         let grad = grad.to_dtype(DType::F32)?.contiguous()?;
-        let guards = [q, k, v, &grad].map(Tensor::storage_and_layout);
-        let [qs, ks, vs, dmixed] = [0, 1, 2, 3].map(|i| on_cpu(&guards[i]));
-        let (qs, ks, vs, dmixed) = (qs?, ks?, vs?, dmixed?);
+        let [dq, dk, dv] = with_slices(&[q, k, v, &grad], |slices| match *slices {
+            [qs, ks, vs, dmixed] => self.gradients([q, k, v], [qs, ks, vs, dmixed]),
+            _ => unreachable!("one slice per tensor"),
+        })
+        .map_err(candle_core::Error::wrap)??;
+        Ok((deposit(q, dq)?, deposit(k, dk)?, deposit(v, dv)?))
+    }
+}
+
+impl AttentionOp {
+    /// The gradients of `q`, `k` and `v` (those that need one) from their elements and the result's
+    /// gradient `dmixed` (f32).
+    fn gradients(
+        &self,
+        [q, k, v]: [&Tensor; 3],
+        [qs, ks, vs, dmixed]: [GradSlice<'_>; 4],
+    ) -> Result<[Option<Tensor>; 3]> {
+        let h = self.heads;
         let kept = self.kept()?;
         let probs = kept
             .as_deref()
@@ -346,15 +357,7 @@ impl CustomOp3 for AttentionOp {
             let c = self.products(v.dtype(), dims, |g| (t(h.square(&probs[g])), h.mixed(dmixed, g)))?;
             dv = Some(tensor(c, h.t_k, h.d_v)?);
         }
-        Ok((deposit(q, dq)?, deposit(k, dk)?, deposit(v, dv)?))
-    }
-}
-
-/// The elements of a tensor's storage, locked for reading, on the CPU.
-fn on_cpu<'a, G: Deref<Target = Storage>>((storage, layout): &'a (G, &Layout)) -> Result<GradSlice<'a>> {
-    match &**storage {
-        Storage::Cpu(s) => elements(s, layout),
-        _ => Err(candle_core::Error::Msg("amp attention: an operand off the CPU".into())),
+        Ok([dq, dk, dv])
     }
 }
 
