@@ -34,12 +34,39 @@ pub fn forward(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>,
         return;
     }
     y.par_chunks_mut(d * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
-        let first = block * ROWS_PER_BLOCK;
-        let mut row = vec![0f32; d];
-        for (i, y) in ys.chunks_exact_mut(d).enumerate() {
-            forward_row(widen_row(x, (first + i) * d, &mut row), weight, bias, eps, y);
-        }
+        forward_rows(x, d, weight, bias, eps, block * ROWS_PER_BLOCK, ys);
     });
+}
+
+/// [`forward`] into a new vector, written block by block in parallel ([`crate::fresh`]).
+///
+/// # Panics
+/// As [`forward`].
+pub fn forward_new(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>, eps: f32) -> Vec<f32> {
+    assert_eq!(weight.len(), d, "layer_norm: weight length");
+    assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
+    if d == 0 {
+        return vec![0.0; x.len()];
+    }
+    crate::fresh::written_in_blocks(x.len(), d * ROWS_PER_BLOCK, |start, ys| {
+        forward_rows(x, d, weight, bias, eps, start / d, ys);
+    })
+}
+
+/// Rows `first..` of the forward pass into `ys` (whole rows).
+fn forward_rows(
+    x: GradSlice<'_>,
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    first: usize,
+    ys: &mut [f32],
+) {
+    let mut row = vec![0f32; d];
+    for (i, y) in ys.chunks_exact_mut(d).enumerate() {
+        forward_row(widen_row(x, (first + i) * d, &mut row), weight, bias, eps, y);
+    }
 }
 
 widest_vectors! {
@@ -252,5 +279,16 @@ mod tests {
         forward(GradSlice::Bf16(&halves), d, &w, None, 1e-5, &mut a);
         forward(GradSlice::F32(&widened), d, &w, None, 1e-5, &mut b);
         assert_eq!(a, b);
+    }
+    #[test]
+    fn a_new_output_is_bit_for_bit_the_written_one() {
+        for (rows, d) in [(0, 4), (1, 1), (3, 7), (70, 256), (33, 1000)] {
+            let (x, w, b) = (values(rows * d, 3, 4.0), values(d, 4, 1.0), values(d, 5, 0.5));
+            let mut y = vec![f32::NAN; rows * d];
+            forward(GradSlice::F32(&x), d, &w, Some(&b), 1e-5, &mut y);
+            let fresh = forward_new(GradSlice::F32(&x), d, &w, Some(&b), 1e-5);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fresh), bits(&y), "{rows} x {d}");
+        }
     }
 }

@@ -11,6 +11,7 @@
 //! - [`convert`]: f32 <-> f16 / bf16 with `half`'s rounding, bit for bit.
 //! - [`reduce`]: column sums in f32 (a linear layer's bias gradient).
 //! - [`layer_norm`]: layer normalisation forward and backward, one pass each.
+//! - [`fresh`]: new output vectors written in parallel blocks, each zeroed by its writer just before.
 //! - [`scale`]: the dynamic loss scale's state machine (growth, backoff, hysteresis, floor, ceiling).
 //! - [`reference`](mod@reference): slow scalar versions of every kernel, the oracle of the tests.
 //! - [`timing`]: the interleaved timing harness of the workspace's benchmarks.
@@ -61,6 +62,7 @@ pub mod conv;
 pub mod convert;
 pub mod cuda;
 pub mod exp;
+pub mod fresh;
 pub mod gelu;
 pub mod gemm;
 mod isa;

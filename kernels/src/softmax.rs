@@ -51,36 +51,61 @@ impl Mask {
 /// If `x` and `y` differ in length or `cols` does not divide it.
 pub fn forward(x: &[f32], cols: usize, scale: f32, mask: Mask, y: &mut [f32]) {
     assert_eq!(x.len(), y.len(), "softmax: x and y lengths");
+    in_row_blocks(cols, y, |first, ys| forward_block(Some(x), cols, scale, mask, first, ys));
+}
+
+/// [`forward`] where the scores lie: `v` holds `x` and is overwritten with `y` (the same bits as
+/// [`forward`]'s `y`), for a caller that has no further use for the scores.
+///
+/// # Panics
+/// If `cols` does not divide `v`'s length.
+pub fn forward_in_place(v: &mut [f32], cols: usize, scale: f32, mask: Mask) {
+    in_row_blocks(cols, v, |first, ys| forward_block(None, cols, scale, mask, first, ys));
+}
+
+/// Runs `block(first_row, rows)` over `out`'s blocks of whole rows on the current rayon pool.
+fn in_row_blocks(cols: usize, out: &mut [f32], block: impl Fn(usize, &mut [f32]) + Sync) {
     if cols == 0 {
         return;
     }
-    assert_eq!(x.len() % cols, 0, "softmax: length not a multiple of cols");
-    y.par_chunks_mut(cols * ROWS_PER_BLOCK)
+    assert_eq!(out.len() % cols, 0, "softmax: length not a multiple of cols");
+    out.par_chunks_mut(cols * ROWS_PER_BLOCK)
         .enumerate()
-        .for_each(|(block, ys)| forward_block(x, cols, scale, mask, block * ROWS_PER_BLOCK, ys));
+        .for_each(|(b, rows)| block(b * ROWS_PER_BLOCK, rows));
 }
 
 widest_vectors! {
-    /// Rows `first..` of `y` (whole rows).
-    fn forward_block(x: &[f32], cols: usize, scale: f32, mask: Mask, first: usize, ys: &mut [f32])
+    /// Rows `first..` of `y` (whole rows), from `x` or, without one, from the scores `y` holds.
+    fn forward_block(x: Option<&[f32]>, cols: usize, scale: f32, mask: Mask, first: usize, ys: &mut [f32])
         => forward_block_any;
 }
 
 #[inline(always)]
-fn forward_block_any(x: &[f32], cols: usize, scale: f32, mask: Mask, first: usize, ys: &mut [f32]) {
+fn forward_block_any(x: Option<&[f32]>, cols: usize, scale: f32, mask: Mask, first: usize, ys: &mut [f32]) {
     for (i, y) in ys.chunks_exact_mut(cols).enumerate() {
         let row = first + i;
-        forward_row(&x[row * cols..][..mask.visible(row, cols)], scale, y);
+        let visible = mask.visible(row, cols);
+        let (shown, hidden) = y.split_at_mut(visible);
+        match x {
+            Some(x) => {
+                for (v, &x) in shown.iter_mut().zip(&x[row * cols..][..visible]) {
+                    *v = scale * x;
+                }
+            }
+            None => {
+                for v in shown.iter_mut() {
+                    *v *= scale;
+                }
+            }
+        }
+        forward_row(shown);
+        hidden.fill(0.0);
     }
 }
 
-/// One row: its visible part `x` into the first `x.len()` elements of `y`, zeros after.
+/// One row's visible part, `scale * x` on entry, its probabilities on return.
 #[inline(always)]
-fn forward_row(x: &[f32], scale: f32, y: &mut [f32]) {
-    let (shown, hidden) = y.split_at_mut(x.len());
-    for (v, &x) in shown.iter_mut().zip(x) {
-        *v = scale * x;
-    }
+fn forward_row(shown: &mut [f32]) {
     // `f32::max` skips NaN; a NaN still reaches the sum below through `v - m`.
     let max = lane_max(shown);
     for v in shown.iter_mut() {
@@ -92,7 +117,6 @@ fn forward_row(x: &[f32], scale: f32, y: &mut [f32]) {
     for v in shown.iter_mut() {
         *v = (f64::from(*v) * inverse) as f32;
     }
-    hidden.fill(0.0);
 }
 
 /// The backward pass: `dx` from the forward's output `y` and its gradient `dy` (all `rows * cols`
@@ -102,30 +126,37 @@ fn forward_row(x: &[f32], scale: f32, y: &mut [f32]) {
 /// If the lengths differ or `cols` does not divide them.
 pub fn backward(y: &[f32], dy: &[f32], cols: usize, scale: f32, dx: &mut [f32]) {
     assert_eq!((y.len(), dy.len()), (dx.len(), dx.len()), "softmax: y, dy and dx lengths");
-    if cols == 0 {
-        return;
-    }
-    assert_eq!(dx.len() % cols, 0, "softmax: length not a multiple of cols");
-    dx.par_chunks_mut(cols * ROWS_PER_BLOCK)
-        .enumerate()
-        .for_each(|(block, dxs)| backward_block(y, dy, cols, scale, block * ROWS_PER_BLOCK, dxs));
+    in_row_blocks(cols, dx, |first, dxs| backward_block(y, Some(dy), cols, scale, first, dxs));
+}
+
+/// [`backward`] where the output's gradient lies: `g` holds `dy` and is overwritten with `dx` (the
+/// same bits as [`backward`]'s `dx`).
+///
+/// # Panics
+/// If `y` and `g` differ in length or `cols` does not divide it.
+pub fn backward_in_place(y: &[f32], g: &mut [f32], cols: usize, scale: f32) {
+    assert_eq!(y.len(), g.len(), "softmax: y and dy lengths");
+    in_row_blocks(cols, g, |first, dxs| backward_block(y, None, cols, scale, first, dxs));
 }
 
 widest_vectors! {
-    /// Rows `first..` of `dx` (whole rows).
-    fn backward_block(y: &[f32], dy: &[f32], cols: usize, scale: f32, first: usize, dxs: &mut [f32])
+    /// Rows `first..` of `dx` (whole rows), from `dy` or, without one, from the gradient `dx` holds.
+    fn backward_block(y: &[f32], dy: Option<&[f32]>, cols: usize, scale: f32, first: usize, dxs: &mut [f32])
         => backward_block_any;
 }
 
 #[inline(always)]
-fn backward_block_any(y: &[f32], dy: &[f32], cols: usize, scale: f32, first: usize, dxs: &mut [f32]) {
+fn backward_block_any(y: &[f32], dy: Option<&[f32]>, cols: usize, scale: f32, first: usize, dxs: &mut [f32]) {
+    let scale = f64::from(scale);
     for (i, dx) in dxs.chunks_exact_mut(cols).enumerate() {
         let at = (first + i) * cols;
-        let (y, dy) = (&y[at..][..cols], &dy[at..][..cols]);
-        let dot = lane_sum(y, dy, |y, g| f64::from(y) * f64::from(g));
-        let scale = f64::from(scale);
-        for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(dy) {
-            *dx = (scale * f64::from(y) * (f64::from(g) - dot)) as f32;
+        let y = &y[at..][..cols];
+        if let Some(dy) = dy {
+            dx.copy_from_slice(&dy[at..][..cols]);
+        }
+        let dot = lane_sum(y, dx, |y, g| f64::from(y) * f64::from(g));
+        for (dx, &y) in dx.iter_mut().zip(y) {
+            *dx = (scale * f64::from(y) * (f64::from(*dx) - dot)) as f32;
         }
     }
 }
@@ -246,6 +277,29 @@ mod tests {
             let mut alone = vec![0f32; cols];
             forward(&x[r * cols..][..r % 5 + 1], r % 5 + 1, 1.0, Mask::None, &mut alone[..r % 5 + 1]);
             assert_eq!(row, &alone[..], "row {r}");
+        }
+    }
+    /// The in-place versions write the bits the out-of-place ones do, NaN and infinities included.
+    #[test]
+    fn in_place_is_bit_for_bit_the_out_of_place_result() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (rows, cols) in [(1, 1), (3, 7), (70, 128), (130, 33), (5, 1000)] {
+            let mut x = values(rows * cols, rows, 9.0);
+            let dy = values(rows * cols, cols, 2.0);
+            let n = x.len();
+            (x[0], x[n / 2], x[n - 1]) = (f32::NEG_INFINITY, f32::NAN, 1e30);
+            for mask in [Mask::None, Mask::Causal { rows_per_matrix: rows.min(cols).max(1) }] {
+                let mut y = vec![0f32; x.len()];
+                forward(&x, cols, 0.3, mask, &mut y);
+                let mut v = x.clone();
+                forward_in_place(&mut v, cols, 0.3, mask);
+                assert_eq!(bits(&v), bits(&y), "forward {rows}x{cols} {mask:?}");
+                let mut dx = vec![0f32; x.len()];
+                backward(&y, &dy, cols, 0.3, &mut dx);
+                let mut g = dy.clone();
+                backward_in_place(&y, &mut g, cols, 0.3);
+                assert_eq!(bits(&g), bits(&dx), "backward {rows}x{cols} {mask:?}");
+            }
         }
     }
 }

@@ -277,15 +277,11 @@ impl CustomOp3 for AttentionOp {
     ) -> Result<(CpuStorage, Shape)> {
         let h = self.heads;
         let (q, k, v) = (elements(s1, l1)?, elements(s2, l2)?, elements(s3, l3)?);
-        let scores = self.squares(h.dims(h.t_q, h.t_k, h.d), |g| (h.q(q, g), t(h.k(k, g))))?;
-        let probs: Vec<Vec<f32>> = scores
-            .into_iter()
-            .map(|scores| {
-                let mut probs = vec![0f32; scores.len()];
-                softmax::forward(&scores, h.t_k, self.scale, self.mask(), &mut probs);
-                probs
-            })
-            .collect();
+        // Each group's scores, turned into its probabilities where they lie.
+        let mut probs = self.squares(h.dims(h.t_q, h.t_k, h.d), |g| (h.q(q, g), t(h.k(k, g))))?;
+        for scores in &mut probs {
+            softmax::forward_in_place(scores, h.t_k, self.scale, self.mask());
+        }
         let mixed =
             self.products(DType::F32, h.dims(h.t_q, h.d_v, h.t_k), |g| (h.square(&probs[g]), h.v(v, g)))?;
         *self.kept()? = Some(probs);
@@ -329,19 +325,12 @@ impl AttentionOp {
         let (needs_q, needs_k, needs_v) = (needs_gradient(q), needs_gradient(k), needs_gradient(v));
         let (mut dq, mut dk, mut dv) = (None, None, None);
         if needs_q || needs_k {
-            // The probabilities' gradient, then the scores' (the scale and the mask folded in).
-            let dprobs =
+            // The probabilities' gradient, turned into the scores' where it lies.
+            let mut dscores =
                 self.squares(h.dims(h.t_q, h.t_k, h.d_v), |g| (h.mixed(dmixed, g), t(h.v(vs, g))))?;
-            let dscores: Vec<Vec<f32>> = dprobs
-                .iter()
-                .zip(probs)
-                .map(|(dprobs, probs)| {
-                    let mut dscores = vec![0f32; dprobs.len()];
-                    softmax::backward(probs, dprobs, h.t_k, self.scale, &mut dscores);
-                    dscores
-                })
-                .collect();
-            drop(dprobs);
+            for (dprobs, probs) in dscores.iter_mut().zip(probs) {
+                softmax::backward_in_place(probs, dprobs, h.t_k, self.scale);
+            }
             let ds = |g: usize| h.square(&dscores[g]);
             if needs_q {
                 let c = self.products(q.dtype(), h.dims(h.t_q, h.d, h.t_k), |g| (ds(g), h.k(ks, g)))?;

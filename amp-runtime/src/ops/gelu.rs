@@ -12,7 +12,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::elementwise::{elements, new_storage};
+use super::elementwise::{elements, new_storage, part};
 
 /// GELU with the tanh approximation (the function of `Tensor::gelu` and of GPT-2 / BERT), `x`'s dtype.
 ///
@@ -38,14 +38,17 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 /// `gelu(x)` of a whole contiguous storage (a fresh product), in a new storage of its dtype.
 pub(super) fn gelu_of(x: &CpuStorage, len: usize) -> Result<CpuStorage> {
     let x = elements(x, &Layout::contiguous(len))?;
-    Ok(new_storage(x.dtype(), x.len(), |y| amp_kernels::gelu::forward(x, y)))
+    Ok(new_storage(x.dtype(), x.len(), |at, y| amp_kernels::gelu::forward(part(x, at, y.len()), y)))
 }
 
 /// `dy * gelu'(x)` in `x`'s dtype, for a whole contiguous storage `x` and `dy` of its length.
 pub(super) fn gelu_gradient(x: &CpuStorage, dy: &CpuStorage, dy_layout: &Layout) -> Result<CpuStorage> {
     let dy = elements(dy, dy_layout)?;
     let x = elements(x, &Layout::contiguous(dy.len()))?;
-    Ok(new_storage(x.dtype(), x.len(), |dx| amp_kernels::gelu::backward(x, dy, dx)))
+    Ok(new_storage(x.dtype(), x.len(), |at, dx| {
+        let n = dx.len();
+        amp_kernels::gelu::backward(part(x, at, n), part(dy, at, n), dx)
+    }))
 }
 
 struct Gelu;
@@ -57,7 +60,7 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = elements(storage, layout)?;
-        let y = new_storage(x.dtype(), x.len(), |y| amp_kernels::gelu::forward(x, y));
+        let y = new_storage(x.dtype(), x.len(), |at, y| amp_kernels::gelu::forward(part(x, at, y.len()), y));
         Ok((y, layout.shape().clone()))
     }
 
@@ -82,7 +85,10 @@ impl CustomOp2 for GeluBackward {
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, dy) = (elements(xs, xl)?, elements(gs, gl)?);
-        let dx = new_storage(x.dtype(), x.len(), |dx| amp_kernels::gelu::backward(x, dy, dx));
+        let dx = new_storage(x.dtype(), x.len(), |at, dx| {
+            let n = dx.len();
+            amp_kernels::gelu::backward(part(x, at, n), part(dy, at, n), dx)
+        });
         Ok((dx, xl.shape().clone()))
     }
 }
@@ -102,8 +108,9 @@ mod tests {
     }
 
     fn inputs() -> Vec<f32> {
-        // -12..12 in steps of 1/64, plus values where tanh saturates and zero.
-        (-768..=768).map(|i| i as f32 / 64.0).chain([-40.0, -1e-3, 1e-3, 40.0, 0.0]).collect()
+        // -12..12 in steps of 1/1024, plus values where tanh saturates and zero: 24,582 elements, the
+        // outputs written in three whole blocks and a part of one (`new_storage`).
+        (-12_288..=12_288).map(|i| i as f32 / 1024.0).chain([-40.0, -1e-3, 1e-3, 40.0, 0.0]).collect()
     }
 
     #[test]

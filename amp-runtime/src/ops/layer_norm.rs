@@ -8,6 +8,8 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
+use super::elementwise::elements;
+
 /// `layer_norm(x) * weight + bias` over the last dimension, in f32 (`x` of any float dtype, widened
 /// exactly; `weight` and `bias` f32 vectors), or `None` off the CPU.
 pub(crate) fn layer_norm(
@@ -51,11 +53,6 @@ struct LayerNormBackward {
     eps: f32,
 }
 
-/// A contiguous matrix's elements as a kernel slice.
-fn matrix<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<amp_kernels::GradSlice<'a>> {
-    crate::storage::read_slice(storage, layout).map_err(candle_core::Error::wrap)
-}
-
 /// A contiguous f32 vector.
 fn vector<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     match (storage, layout.contiguous_offsets()) {
@@ -79,10 +76,10 @@ impl CustomOp3 for LayerNormOp {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (rows, d) = rows(l1);
-        let (x, weight) = (matrix(s1, l1)?, vector(s2, l2)?);
+        let (x, weight) = (elements(s1, l1)?, vector(s2, l2)?);
         let bias = if self.has_bias { Some(vector(s3, l3)?) } else { None };
-        let mut y = vec![0f32; rows * d];
-        amp_kernels::layer_norm::forward(x, d, weight, bias, self.eps, &mut y);
+        debug_assert_eq!(x.len(), rows * d);
+        let y = amp_kernels::layer_norm::forward_new(x, d, weight, bias, self.eps);
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
@@ -117,7 +114,7 @@ impl CustomOp3 for LayerNormBackward {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (rows, d) = rows(l1);
-        let (x, weight, dy) = (matrix(s1, l1)?, vector(s2, l2)?, matrix(s3, l3)?);
+        let (x, weight, dy) = (elements(s1, l1)?, vector(s2, l2)?, elements(s3, l3)?);
         let mut all = vec![0f32; (rows + 2) * d];
         let (dx, sums) = all.split_at_mut(rows * d);
         let (dweight, dbias) = sums.split_at_mut(d);

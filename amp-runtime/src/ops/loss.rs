@@ -8,7 +8,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::elementwise::{elements, new_storage};
+use super::elementwise::{elements, new_storage, part};
 use super::{at_least_f32, log_softmax, widen, widest_dtype};
 use crate::Precision;
 
@@ -173,8 +173,9 @@ impl CustomOp2 for ScaledDifference {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (a, b) = (elements(s1, l1)?, elements(s2, l2)?);
-        let out = new_storage(a.dtype(), a.len(), |out| {
-            amp_kernels::squared_error::gradient(a, b, self.scale, out)
+        let out = new_storage(a.dtype(), a.len(), |at, out| {
+            let n = out.len();
+            amp_kernels::squared_error::gradient(part(a, at, n), part(b, at, n), self.scale, out)
         });
         Ok((out, l1.shape().clone()))
     }

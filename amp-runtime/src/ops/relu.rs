@@ -10,7 +10,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::elementwise::{elements, new_storage};
+use super::elementwise::{elements, new_storage, part};
 
 /// `max(x, 0)` in `x`'s dtype (a NaN stays NaN), differentiable: the gradient passes where the output
 /// is positive (slope 0 at 0, as in PyTorch).
@@ -63,7 +63,7 @@ impl CustomOp1 for Relu {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = elements(storage, layout)?;
-        let y = new_storage(x.dtype(), x.len(), |y| amp_kernels::relu::forward(x, y));
+        let y = new_storage(x.dtype(), x.len(), |at, y| amp_kernels::relu::forward(part(x, at, y.len()), y));
         Ok((y, layout.shape().clone()))
     }
 
@@ -95,7 +95,10 @@ impl CustomOp2 for ReluBackward {
                 op: "amp-relu-backward",
             });
         }
-        let dx = new_storage(dy.dtype(), dy.len(), |dx| amp_kernels::relu::backward(y, dy, dx));
+        let dx = new_storage(dy.dtype(), dy.len(), |at, dx| {
+            let n = dx.len();
+            amp_kernels::relu::backward(part(y, at, n), part(dy, at, n), dx)
+        });
         Ok((dx, gl.shape().clone()))
     }
 }
