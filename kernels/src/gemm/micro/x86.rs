@@ -51,8 +51,22 @@ impl Micro for FmaAvx2 {
     const B: Blocking = F32_6X16;
 
     unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
+        let from = if load { TileFrom::Tile } else { TileFrom::Zero };
         // SAFETY: a `FmaAvx2` exists only where AVX2 and FMA run; pointers as the caller guarantees.
-        unsafe { fma_6x16(steps, a, b, c, ldc, load) }
+        unsafe { fma_6x16(steps, a, b, (c, ldc), from) }
+    }
+
+    unsafe fn tile_from_row(
+        self,
+        steps: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        row: *const f32,
+    ) {
+        // SAFETY: as above.
+        unsafe { fma_6x16(steps, a, b, (c, ldc), TileFrom::Row(row)) }
     }
 }
 
@@ -144,16 +158,25 @@ enum ZmmOut {
     },
 }
 
+/// The 6 x 16 tile from zeros, from C, or from a row of 16 floats (a bias: loaded into the
+/// accumulators, not copied into C first and read back).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn fma_6x16(steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
+unsafe fn fma_6x16(steps: usize, a: *const f32, b: *const f32, (c, ldc): (*mut f32, usize), from: TileFrom) {
     let mut acc = [[_mm256_setzero_ps(); 2]; 6];
-    // SAFETY (whole body): pointers valid as `Micro::tile` requires.
+    // SAFETY (whole body): pointers valid as `Micro::tile` / `Micro::tile_from_row` require.
     unsafe {
-        if load {
-            for (r, row) in acc.iter_mut().enumerate() {
-                for (j, x) in row.iter_mut().enumerate() {
-                    *x = _mm256_loadu_ps(c.add(r * ldc + 8 * j));
+        match from {
+            TileFrom::Zero => {}
+            TileFrom::Tile => {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x = _mm256_loadu_ps(c.add(r * ldc + 8 * j));
+                    }
                 }
+            }
+            TileFrom::Row(bias) => {
+                let start = [_mm256_loadu_ps(bias), _mm256_loadu_ps(bias.add(8))];
+                acc = [start; 6];
             }
         }
         for s in 0..steps {
