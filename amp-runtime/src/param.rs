@@ -45,8 +45,9 @@ pub enum GradientRoute {
     /// (the master rounded to the working precision, so the forward is unchanged bit for bit); its
     /// gradient comes out of the GEMM in f32, keyed by the master: never rounded to half, and never
     /// added in half in candle's gradient store (candle adds every gradient into a fresh zero tensor,
-    /// and its bf16 add runs at a tenth of its f32 add's speed). Ops that are not amp's CPU GEMM (CUDA,
-    /// candle's kernel, an embedding) read the working copy as before. The default.
+    /// and its bf16 add runs at a tenth of its f32 add's speed). amp's CPU embedding reads its table
+    /// the same way (its gradient a scatter-add in f32). Ops that are not amp's (CUDA, candle's
+    /// kernel) read the working copy as before. The default.
     #[default]
     Master,
     /// Every op reads the half working copy, whose gradient is half (Apex's O2). What

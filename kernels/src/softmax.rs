@@ -6,8 +6,8 @@
 //! `dx_j = scale * y_j * (dy_j - sum_k y_k dy_k)` (masked columns get 0, as their `y` is 0).
 //!
 //! The sums are accumulated in f64 (in eight lanes added in a fixed order, the maximum in sixteen: the
-//! loops vectorise, and every version computes the same bits) and each result is rounded to f32 once; `e^..` is
-//! [`crate::exp::exp_nonpositive`] (2 ulps), so a row is within a few f32 roundings of the f64
+//! loops vectorise, and every version computes the same bits) and each result is rounded to f32 once;
+//! `e^..` is [`crate::exp::exp_nonpositive`] (2 ulps), so a row is within a few f32 roundings of the f64
 //! definition (`tests` states the bound). Non-finite inputs behave as the definition computed in f32:
 //! `-inf` gives an exact 0, and a row with a NaN, a `+inf`, or no finite visible value is NaN.
 //!

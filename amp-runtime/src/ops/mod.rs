@@ -32,6 +32,7 @@ mod buffer;
 mod column_sums;
 mod conv;
 mod elementwise;
+mod embedding;
 mod fp32;
 pub(crate) mod fused_softmax;
 mod gelu;
@@ -45,6 +46,7 @@ mod relu;
 pub(crate) use attention::attention_of_heads;
 pub use attention::scaled_dot_product_attention;
 pub(crate) use conv::{conv2d, ConvParams};
+pub(crate) use embedding::embedding;
 pub use fp32::{
     cumsum, exp, log, log_softmax, mean, mean_all, mean_keepdim, norm, pow, softmax, std, sum, sum_all,
     sum_keepdim, var,
