@@ -151,12 +151,21 @@ fn backward_block_any(y: &[f32], dy: Option<&[f32]>, cols: usize, scale: f32, fi
     for (i, dx) in dxs.chunks_exact_mut(cols).enumerate() {
         let at = (first + i) * cols;
         let y = &y[at..][..cols];
-        if let Some(dy) = dy {
-            dx.copy_from_slice(&dy[at..][..cols]);
-        }
-        let dot = lane_sum(y, dx, |y, g| f64::from(y) * f64::from(g));
-        for (dx, &y) in dx.iter_mut().zip(y) {
-            *dx = (scale * f64::from(y) * (f64::from(*dx) - dot)) as f32;
+        let gradient = |y: f32, g: f32, dot: f64| (scale * f64::from(y) * (f64::from(g) - dot)) as f32;
+        match dy {
+            Some(dy) => {
+                let dy = &dy[at..][..cols];
+                let dot = lane_sum(y, dy, |y, g| f64::from(y) * f64::from(g));
+                for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(dy) {
+                    *dx = gradient(y, g, dot);
+                }
+            }
+            None => {
+                let dot = lane_sum(y, dx, |y, g| f64::from(y) * f64::from(g));
+                for (dx, &y) in dx.iter_mut().zip(y) {
+                    *dx = gradient(y, *dx, dot);
+                }
+            }
         }
     }
 }
