@@ -280,6 +280,7 @@ mod tests {
         forward(GradSlice::F32(&widened), d, &w, None, 1e-5, &mut b);
         assert_eq!(a, b);
     }
+
     #[test]
     fn a_new_output_is_bit_for_bit_the_written_one() {
         for (rows, d) in [(0, 4), (1, 1), (3, 7), (70, 256), (33, 1000)] {

@@ -119,21 +119,15 @@ impl CustomOp1 for EmbeddingOp {
 fn gathered(table: GradSlice<'_>, rows: &[usize], hidden: usize, compute: DType, out: DType) -> CpuStorage {
     let width = hidden.max(1);
     let (len, block) = (rows.len() * hidden, width * ROWS_PER_BLOCK);
-    let round = match (table, compute) {
-        (GradSlice::F32(_), DType::F16 | DType::BF16) => Some(compute),
-        _ => None,
-    };
-    // Row `r` of the block that starts at element `at`, widened to f32 into `wide`.
-    let row_into = |at: usize, r: usize, wide: &mut [f32]| {
+    // Row `r` of the block that starts at element `at`, widened to f32 into `wide` and rounded.
+    let row_into = |at: usize, r: usize, wide: &mut [f32], rounding: &mut Rounding| {
         convert::widen(part(table, rows[at / width + r] * hidden, hidden), wide);
-        if let Some(compute) = round {
-            rounded_in_place(wide, compute);
-        }
+        rounding.apply(wide);
     };
     let half = |at: usize, mut y: HalfSliceMut<'_>| {
-        let mut wide = vec![0f32; hidden];
+        let (mut wide, mut rounding) = (vec![0f32; hidden], Rounding::new(table, compute, hidden));
         for r in 0..y.len() / width {
-            row_into(at, r, &mut wide);
+            row_into(at, r, &mut wide, &mut rounding);
             convert::narrow(&wide, y.reborrow().split_at(r * hidden).1.split_at(hidden).0);
         }
     };
@@ -143,23 +137,44 @@ fn gathered(table: GradSlice<'_>, rows: &[usize], hidden: usize, compute: DType,
             CpuStorage::BF16(written_in_blocks(len, block, |at, y: &mut [bf16]| half(at, y.into())))
         }
         _ => CpuStorage::F32(written_in_blocks(len, block, |at, y: &mut [f32]| {
+            let mut rounding = Rounding::new(table, compute, hidden);
             for (r, y) in y.chunks_exact_mut(width).enumerate() {
-                row_into(at, r, y);
+                row_into(at, r, y, &mut rounding);
             }
         })),
     }
 }
 
-/// `values` rounded to `half` (f16 or bf16) and widened back.
-fn rounded_in_place(values: &mut [f32], half: DType) {
-    if half == DType::F16 {
-        let mut narrow = vec![f16::ZERO; values.len()];
-        convert::narrow(values, HalfSliceMut::F16(&mut narrow));
-        convert::widen(GradSlice::F16(&narrow), values);
-    } else {
-        let mut narrow = vec![bf16::ZERO; values.len()];
-        convert::narrow(values, HalfSliceMut::Bf16(&mut narrow));
-        convert::widen(GradSlice::Bf16(&narrow), values);
+/// How a block's rows are rounded to the compute precision: not at all (the table is not wider than
+/// it), or to f16 / bf16 and back through a buffer of one row, kept across the block's rows.
+enum Rounding {
+    Exact,
+    F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+}
+
+impl Rounding {
+    fn new(table: GradSlice<'_>, compute: DType, hidden: usize) -> Rounding {
+        match (table, compute) {
+            (GradSlice::F32(_), DType::F16) => Rounding::F16(vec![f16::ZERO; hidden]),
+            (GradSlice::F32(_), DType::BF16) => Rounding::Bf16(vec![bf16::ZERO; hidden]),
+            _ => Rounding::Exact,
+        }
+    }
+
+    /// `values` (one row) rounded and widened back.
+    fn apply(&mut self, values: &mut [f32]) {
+        match self {
+            Rounding::Exact => {}
+            Rounding::F16(buffer) => {
+                convert::narrow(values, HalfSliceMut::F16(buffer));
+                convert::widen(GradSlice::F16(buffer), values);
+            }
+            Rounding::Bf16(buffer) => {
+                convert::narrow(values, HalfSliceMut::Bf16(buffer));
+                convert::widen(GradSlice::Bf16(buffer), values);
+            }
+        }
     }
 }
 
