@@ -562,38 +562,3 @@ fn a_new_c_holds_what_gemm_with_writes() {
         }
     }
 }
-
-/// `gemm_new_blocks` writes each block's product into its columns of a new C, every element once: the
-/// same bits as `gemm_with` of each block into its columns of a C it does not read (NaN-filled), on
-/// every path, layout and edge shape, f32 and bf16 (three blocks; one is `gemm_new`'s C).
-#[test]
-fn new_blocks_side_by_side_hold_what_gemm_with_writes_into_their_columns() {
-    use amp_kernels::gemm::{gemm_new_blocks, NewOutput, OutputType};
-    const BLOCKS: usize = 3;
-    let mut rng = Rng(31);
-    for (out, out_type, compute) in
-        [(Dtype::F32, OutputType::F32, Compute::F32), (Dtype::Bf16, OutputType::Bf16, Compute::Bf16)]
-    {
-        for case in edge_cases(compute, out, false) {
-            let Dims { batch, m, n, .. } = case.dims;
-            let xs: Vec<_> = (0..BLOCKS).map(|_| inputs(&case, &mut rng, -4, 4)).collect();
-            let width = BLOCKS * n;
-            for path in GemmPath::supported().filter(|p| !p.is_bf16_dot() || compute == Compute::Bf16) {
-                let mut c = Owned::new(out, &vec![f32::NAN; batch * m * width]);
-                for (g, x) in xs.iter().enumerate() {
-                    let data = c.view_mut().split_at(g * n).1;
-                    let view = MatMut { data, row_stride: width, batch_stride: m * width };
-                    gemm_with(path, case.dims, x.a.view(), x.b.view(), view, compute, Start::Zero).unwrap();
-                }
-                let operands: Vec<_> = xs.iter().map(|x| (x.a.view(), x.b.view())).collect();
-                let fresh = gemm_new_blocks(path, case.dims, &operands, out_type, compute).unwrap();
-                let fresh: Vec<f32> = match fresh {
-                    NewOutput::F32(v) => v,
-                    NewOutput::F16(v) => v.iter().map(|h| h.to_f32()).collect(),
-                    NewOutput::Bf16(v) => v.iter().map(|h| h.to_f32()).collect(),
-                };
-                assert_same(&format!("{path} {case:?}"), &fresh, &c.to_f32());
-            }
-        }
-    }
-}

@@ -8,14 +8,17 @@
 //! ([`amp_kernels::softmax`], scale and causal mask folded in) and keeps the probabilities; the
 //! backward runs the four products of the gradients and the softmax's backward between them. Each
 //! product reads its operands where they lie (`k`, the transposes and each head of a `(batch, t,
-//! heads * d)` projection through their strides), writes its result there too
-//! ([`amp_kernels::gemm::gemm_new_blocks`]), and rounds its operands to the compute precision while
-//! packing, as [`super::matmul_to`] does: the op computes what the composition computes, bit for bit,
-//! in fewer passes over memory.
+//! heads * d)` projection through their strides), writes its result there too, runs all heads in one
+//! parallel loop ([`amp_kernels::gemm::gemm_new_groups`]), and rounds its operands to the compute
+//! precision while packing, as [`super::matmul_to`] does. Under a causal mask the products skip what
+//! the mask zeroes ([`Triangle`]): the scores' tiles above the diagonal, and the terms of the
+//! probabilities' (and their gradient's) zeros, about half of each product. The op computes what the
+//! composition computes, bit for bit, in fewer passes over memory (up to the sign of a zero sum, and
+//! but for a NaN or infinity in `v`, `k` or `q` that only masked entries would have met).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use amp_kernels::gemm::{gemm_new_blocks, Compute, Dims, GemmPath, MatRef};
+use amp_kernels::gemm::{gemm_new_groups, Compute, Dims, GemmPath, Groups, MatRef, Placement, Triangle};
 use amp_kernels::softmax::{self, Mask};
 use amp_kernels::GradSlice;
 use candle_core::backend::BackendStorage;
@@ -153,32 +156,34 @@ impl Heads {
         Dims::batched(self.batch, m, n, k)
     }
 
-    /// Group `g`'s matrices of an operand with `t` rows of `w` features a head.
-    fn operand<'a>(&self, data: GradSlice<'a>, g: usize, t: usize, w: usize) -> MatRef<'a> {
+    /// Group 0's matrices of an operand with `t` rows of `w` features a head, and the distance to the
+    /// next group's.
+    fn operand<'a>(&self, data: GradSlice<'a>, t: usize, w: usize) -> Grouped<'a> {
         let row = self.groups * w;
-        MatRef { data: data.split_at(g * w).1, row_stride: row, col_stride: 1, batch_stride: t * row }
+        (MatRef { data, row_stride: row, col_stride: 1, batch_stride: t * row }, w)
     }
 
-    fn q<'a>(&self, data: GradSlice<'a>, g: usize) -> MatRef<'a> {
-        self.operand(data, g, self.t_q, self.d)
+    fn q<'a>(&self, data: GradSlice<'a>) -> Grouped<'a> {
+        self.operand(data, self.t_q, self.d)
     }
 
-    fn k<'a>(&self, data: GradSlice<'a>, g: usize) -> MatRef<'a> {
-        self.operand(data, g, self.t_k, self.d)
+    fn k<'a>(&self, data: GradSlice<'a>) -> Grouped<'a> {
+        self.operand(data, self.t_k, self.d)
     }
 
-    fn v<'a>(&self, data: GradSlice<'a>, g: usize) -> MatRef<'a> {
-        self.operand(data, g, self.t_k, self.d_v)
+    fn v<'a>(&self, data: GradSlice<'a>) -> Grouped<'a> {
+        self.operand(data, self.t_k, self.d_v)
     }
 
     /// The result's gradient.
-    fn mixed<'a>(&self, data: GradSlice<'a>, g: usize) -> MatRef<'a> {
-        self.operand(data, g, self.t_q, self.d_v)
+    fn mixed<'a>(&self, data: GradSlice<'a>) -> Grouped<'a> {
+        self.operand(data, self.t_q, self.d_v)
     }
 
-    /// A group's probabilities or scores' gradient, `(t_q, t_k)` matrices.
-    fn square<'a>(&self, data: &'a [f32]) -> MatRef<'a> {
-        MatRef::row_major(data, self.t_k).with_batch_stride(self.t_q * self.t_k)
+    /// The probabilities or the scores' gradient, `(t_q, t_k)` matrices stacked group by group.
+    fn square<'a>(&self, data: &'a [f32]) -> Grouped<'a> {
+        let matrix = self.t_q * self.t_k;
+        (MatRef::row_major(data, self.t_k).with_batch_stride(matrix), self.batch * matrix)
     }
 
     /// The shape of a result of `rows` rows of `cols` features a head, with the leading dimensions of
@@ -190,9 +195,12 @@ impl Heads {
     }
 }
 
-/// A row-major batch of matrices read transposed.
-fn t(m: MatRef<'_>) -> MatRef<'_> {
-    MatRef { row_stride: m.col_stride, col_stride: m.row_stride, ..m }
+/// An operand of every group: group 0's matrices, and the distance from one group's to the next's.
+type Grouped<'a> = (MatRef<'a>, usize);
+
+/// A grouped operand read transposed.
+fn t((m, step): Grouped<'_>) -> Grouped<'_> {
+    (MatRef { row_stride: m.col_stride, col_stride: m.row_stride, ..m }, step)
 }
 
 /// The candle op: `(q, k, v) -> softmax(scale q k^T + mask) v`, the probabilities kept for backward.
@@ -203,8 +211,8 @@ struct AttentionOp {
     scale: f32,
     causal: bool,
     heads: Heads,
-    /// Each group's probabilities.
-    probs: Arc<Mutex<Option<Vec<Vec<f32>>>>>,
+    /// The probabilities, stacked group by group.
+    probs: Arc<Mutex<Option<Vec<f32>>>>,
 }
 
 impl AttentionOp {
@@ -216,37 +224,52 @@ impl AttentionOp {
         }
     }
 
-    /// Each group's `a · b` side by side (the operands of group `g` from `operands(g)`), in `out`
-    /// rounded once from the f32 sums.
-    fn products<'a>(
+    /// What the products skip under the mask (`triangle`), or nothing without one.
+    fn under_mask(&self, triangle: Triangle) -> Triangle {
+        if self.causal {
+            triangle
+        } else {
+            Triangle::Full
+        }
+    }
+
+    /// Each group's `a · b` side by side, in `out` rounded once from the f32 sums.
+    fn products(
         &self,
         out: DType,
         dims: Dims,
-        operands: impl Fn(usize) -> (MatRef<'a>, MatRef<'a>),
+        (a, b): (Grouped<'_>, Grouped<'_>),
+        triangle: Triangle,
     ) -> Result<CpuStorage> {
-        let blocks: Vec<_> = (0..self.heads.groups).map(operands).collect();
-        let c = gemm_new_blocks(self.path, dims, &blocks, output_type(out), self.compute)
+        self.grouped(out, dims, (a, b), Placement::SideBySide, triangle)
+    }
+
+    /// Each group's `a · b` in f32, stacked group by group.
+    fn squares(
+        &self,
+        dims: Dims,
+        (a, b): (Grouped<'_>, Grouped<'_>),
+        triangle: Triangle,
+    ) -> Result<Vec<f32>> {
+        f32s(self.grouped(DType::F32, dims, (a, b), Placement::Stacked, triangle)?)
+    }
+
+    fn grouped(
+        &self,
+        out: DType,
+        dims: Dims,
+        ((a, a_step), (b, b_step)): (Grouped<'_>, Grouped<'_>),
+        placement: Placement,
+        triangle: Triangle,
+    ) -> Result<CpuStorage> {
+        let groups = Groups { count: self.heads.groups, a_step, b_step, placement };
+        let triangle = self.under_mask(triangle);
+        let c = gemm_new_groups(self.path, dims, (a, b), groups, output_type(out), self.compute, triangle)
             .map_err(candle_core::Error::wrap)?;
         Ok(storage_of(c))
     }
 
-    /// Each group's `a · b` in f32, apart.
-    fn squares<'a>(
-        &self,
-        dims: Dims,
-        operands: impl Fn(usize) -> (MatRef<'a>, MatRef<'a>),
-    ) -> Result<Vec<Vec<f32>>> {
-        (0..self.heads.groups)
-            .map(|g| {
-                let (a, b) = operands(g);
-                let c = gemm_new_blocks(self.path, dims, &[(a, b)], output_type(DType::F32), self.compute)
-                    .map_err(candle_core::Error::wrap)?;
-                f32s(storage_of(c))
-            })
-            .collect()
-    }
-
-    fn kept(&self) -> Result<MutexGuard<'_, Option<Vec<Vec<f32>>>>> {
+    fn kept(&self) -> Result<MutexGuard<'_, Option<Vec<f32>>>> {
         self.probs.lock().map_err(|_| {
             candle_core::Error::Msg("amp attention: a panic poisoned the kept probabilities".into())
         })
@@ -277,13 +300,11 @@ impl CustomOp3 for AttentionOp {
     ) -> Result<(CpuStorage, Shape)> {
         let h = self.heads;
         let (q, k, v) = (elements(s1, l1)?, elements(s2, l2)?, elements(s3, l3)?);
-        // Each group's scores, turned into its probabilities where they lie.
-        let mut probs = self.squares(h.dims(h.t_q, h.t_k, h.d), |g| (h.q(q, g), t(h.k(k, g))))?;
-        for scores in &mut probs {
-            softmax::forward_in_place(scores, h.t_k, self.scale, self.mask());
-        }
-        let mixed =
-            self.products(DType::F32, h.dims(h.t_q, h.d_v, h.t_k), |g| (h.square(&probs[g]), h.v(v, g)))?;
+        // The scores, turned into the probabilities where they lie.
+        let mut probs = self.squares(h.dims(h.t_q, h.t_k, h.d), (h.q(q), t(h.k(k))), Triangle::LowerC)?;
+        softmax::forward_in_place(&mut probs, h.t_k, self.scale, self.mask());
+        let dims = h.dims(h.t_q, h.d_v, h.t_k);
+        let mixed = self.products(DType::F32, dims, (h.square(&probs), h.v(v)), Triangle::ZeroAboveA)?;
         *self.kept()? = Some(probs);
         Ok((mixed, h.shape(l1.dims(), h.t_q, h.d_v)))
     }
@@ -326,24 +347,25 @@ impl AttentionOp {
         let (mut dq, mut dk, mut dv) = (None, None, None);
         if needs_q || needs_k {
             // The probabilities' gradient, turned into the scores' where it lies.
-            let mut dscores =
-                self.squares(h.dims(h.t_q, h.t_k, h.d_v), |g| (h.mixed(dmixed, g), t(h.v(vs, g))))?;
-            for (dprobs, probs) in dscores.iter_mut().zip(probs) {
-                softmax::backward_in_place(probs, dprobs, h.t_k, self.scale);
-            }
-            let ds = |g: usize| h.square(&dscores[g]);
+            let dims = h.dims(h.t_q, h.t_k, h.d_v);
+            let mut dscores = self.squares(dims, (h.mixed(dmixed), t(h.v(vs))), Triangle::LowerC)?;
+            softmax::backward_in_place(probs, &mut dscores, h.t_k, self.scale);
+            let ds = h.square(&dscores);
             if needs_q {
-                let c = self.products(q.dtype(), h.dims(h.t_q, h.d, h.t_k), |g| (ds(g), h.k(ks, g)))?;
+                let dims = h.dims(h.t_q, h.d, h.t_k);
+                let c = self.products(q.dtype(), dims, (ds, h.k(ks)), Triangle::ZeroAboveA)?;
                 dq = Some(tensor(c, h.t_q, h.d)?);
             }
             if needs_k {
-                let c = self.products(k.dtype(), h.dims(h.t_k, h.d, h.t_q), |g| (t(ds(g)), h.q(qs, g)))?;
+                let dims = h.dims(h.t_k, h.d, h.t_q);
+                let c = self.products(k.dtype(), dims, (t(ds), h.q(qs)), Triangle::ZeroBelowA)?;
                 dk = Some(tensor(c, h.t_k, h.d)?);
             }
         }
         if needs_v {
             let dims = h.dims(h.t_k, h.d_v, h.t_q);
-            let c = self.products(v.dtype(), dims, |g| (t(h.square(&probs[g])), h.mixed(dmixed, g)))?;
+            let c =
+                self.products(v.dtype(), dims, (t(h.square(probs)), h.mixed(dmixed)), Triangle::ZeroBelowA)?;
             dv = Some(tensor(c, h.t_k, h.d_v)?);
         }
         Ok([dq, dk, dv])

@@ -15,6 +15,10 @@
 //!    ([`Start`]): the AMX and zmm kernels load the row into their tiles, the others have it copied
 //!    into each tile's rows just before its products.
 //!
+//! 4. Products of one shape at fixed distances ([`Spacing`]: attention's heads) are one batch of all
+//!    their matrices, so one parallel loop runs them. A [`Triangle`] narrows each tile's steps to those
+//!    where A is not known to be zero, or leaves a tile of C wholly above the diagonal at its start.
+//!
 //! Every element of C is one FMA chain in `k` order regardless of blocking or thread count. (bf16
 //! products with few rows of A and both operands contiguous along `k` take [`super::skinny`] instead.)
 
@@ -23,7 +27,7 @@ use std::cell::Cell;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::layout::{Dims, MatMut, MatRef};
+use super::layout::{Dims, MatMut, MatRef, Placement, Triangle};
 use super::micro::{self, HalfC, Micro, TileFrom, MAX_TILE};
 use super::pack::{self, Lines, PackInto};
 use super::prefetch;
@@ -54,7 +58,7 @@ pub(crate) fn run(
     compute: Compute,
     start: Start<'_>,
 ) {
-    run_job(path, Job { dims, a, b, out: Out::new(c), compute, start });
+    run_job(path, Job::one(dims, a, b, Out::new(c), compute, start));
 }
 
 /// The product into a new dense C of `len = batch * m * n` elements (`start` is not `Output`).
@@ -70,7 +74,7 @@ pub(crate) fn run_new<T: NewElement>(
     debug_assert!(!matches!(start, Start::Output), "a new C has nothing to start from");
     let mut c: Vec<T> = Vec::with_capacity(len);
     let out = Out { ptr: T::ptr(c.as_mut_ptr()), row_stride: dims.n, batch_stride: dims.m * dims.n };
-    run_job(path, Job { dims, a, b, out, compute, start });
+    run_job(path, Job::one(dims, a, b, out, compute, start));
     // SAFETY: C is dense (row stride n, batch stride m * n) inside its `len` elements, and the job
     // wrote every one of them: each block's first k-block stores its tiles without loading them
     // (`Start::Zero` and `Start::Bias` never read C), edge tiles copy their present part out, and an
@@ -79,26 +83,49 @@ pub(crate) fn run_new<T: NewElement>(
     c
 }
 
-/// [`run_new`] for products side by side: C `(batch, m, blocks * n)`, block `g` of columns
-/// `A_g·B_g`, where `blocks` lists each block's operands.
-pub(crate) fn run_new_blocks<T: NewElement>(
+/// [`run_new`] for `groups` of products (C `(batch, m, count * n)` side by side, or `(count, batch, m,
+/// n)` stacked), each product `g` reading `a` and `b` `g` steps on; `triangle` says what may be skipped.
+/// One job runs them all, unless the skinny path takes them (one product at a time, as it would alone).
+pub(crate) fn run_new_groups<T: NewElement>(
     path: GemmPath,
     dims: Dims,
-    blocks: &[(MatRef<'_>, MatRef<'_>)],
+    (a, b): (MatRef<'_>, MatRef<'_>),
+    groups: &super::Groups,
     compute: Compute,
+    triangle: Triangle,
 ) -> Vec<T> {
-    let width = blocks.len() * dims.n;
-    let len = dims.batch * dims.m * width;
+    let len = groups.count * dims.batch * dims.m * dims.n;
     let mut c: Vec<T> = Vec::with_capacity(len);
-    for (g, &(a, b)) in blocks.iter().enumerate() {
-        // Block g's columns start at `g * n < width`, inside C's `len` elements unless C is empty (an
-        // empty batch or m), when the job writes nothing.
-        let ptr = c.as_mut_ptr().wrapping_add(g * dims.n);
-        let out = Out { ptr: T::ptr(ptr), row_stride: width, batch_stride: dims.m * width };
-        run_job(path, Job { dims, a, b, out, compute, start: Start::Zero });
+    let (row_stride, batch_stride, c_step) = match groups.placement {
+        Placement::SideBySide => {
+            let width = groups.count * dims.n;
+            (width, dims.m * width, dims.n)
+        }
+        Placement::Stacked => (dims.n, dims.m * dims.n, dims.batch * dims.m * dims.n),
+    };
+    let base = c.as_mut_ptr();
+    let out = |g: usize| Out {
+        // Product g's C starts at `g * c_step < len` unless C is empty (an empty batch, m or n), when
+        // the job writes nothing.
+        ptr: T::ptr(base.wrapping_add(g * c_step)),
+        row_stride,
+        batch_stride,
+    };
+    let spacing = Spacing { count: groups.count, a: groups.a_step, b: groups.b_step, c: c_step };
+    let whole = Job { dims, a, b, out: out(0), compute, start: Start::Zero, spacing, triangle };
+    if groups.count > 1 && skinny::applies(path, &whole) {
+        for g in 0..groups.count {
+            const CHECKED: &str = "check_groups found every product inside its operands";
+            let a = a.advanced(g * groups.a_step).expect(CHECKED);
+            let b = b.advanced(g * groups.b_step).expect(CHECKED);
+            let one = Job { a, b, out: out(g), spacing: Spacing::ONE, ..whole };
+            run_job(path, one);
+        }
+    } else {
+        run_job(path, whole);
     }
-    // SAFETY: the blocks' columns partition each row of C (row stride `width`, batch stride
-    // `m * width`), and each job wrote every element of its columns, as in `run_new`.
+    // SAFETY: the products' columns (side by side) or matrices (stacked) partition C, and each product
+    // wrote every element of its part, as in `run_new`.
     unsafe { c.set_len(len) };
     c
 }
@@ -133,6 +160,7 @@ fn run_job(path: GemmPath, job: Job<'_>) {
         return;
     }
     if skinny::applies(path, &job) {
+        debug_assert_eq!(job.spacing.count, 1, "the skinny path runs one product");
         let parallel = job.dims.flops() >= PARALLEL_FLOPS;
         match path {
             #[cfg(target_arch = "x86_64")]
@@ -194,7 +222,9 @@ impl Out {
     }
 }
 
-/// One product: operands, C and its start, validated.
+/// One product, or several of the same shape ([`Spacing`]): operands, C and its start, validated, and
+/// the zeros it may skip.
+#[derive(Clone, Copy)]
 pub(crate) struct Job<'a> {
     pub(crate) dims: Dims,
     pub(crate) a: MatRef<'a>,
@@ -202,9 +232,27 @@ pub(crate) struct Job<'a> {
     pub(crate) out: Out,
     pub(crate) compute: Compute,
     pub(crate) start: Start<'a>,
+    pub(crate) spacing: Spacing,
+    pub(crate) triangle: Triangle,
 }
 
-/// A block of C: batch item, first row and column, and its size.
+/// Products of the same shape and strides at fixed distances: product `g` reads A and B and writes C
+/// `g * a`, `g * b` and `g * c` elements after product 0. The driver treats them as one batch of
+/// `count * batch` matrices.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Spacing {
+    pub(crate) count: usize,
+    pub(crate) a: usize,
+    pub(crate) b: usize,
+    pub(crate) c: usize,
+}
+
+impl Spacing {
+    /// A single product.
+    pub(crate) const ONE: Spacing = Spacing { count: 1, a: 0, b: 0, c: 0 };
+}
+
+/// A block of C: its matrix (of all the products' batches), first row and column, and its size.
 #[derive(Clone, Copy)]
 struct Block {
     batch: usize,
@@ -214,17 +262,42 @@ struct Block {
     cols: usize,
 }
 
-impl Job<'_> {
+impl<'a> Job<'a> {
+    /// A single product, nothing skipped.
+    pub(crate) fn one(
+        dims: Dims,
+        a: MatRef<'a>,
+        b: MatRef<'a>,
+        out: Out,
+        compute: Compute,
+        start: Start<'a>,
+    ) -> Job<'a> {
+        Job { dims, a, b, out, compute, start, spacing: Spacing::ONE, triangle: Triangle::Full }
+    }
+
+    /// Floating-point operations of all the products.
+    fn flops(&self) -> f64 {
+        self.dims.flops() * self.spacing.count as f64
+    }
+
+    /// Where matrix `item` of the whole batch (product `item / batch`, its batch item `item % batch`)
+    /// starts in an operand of batch stride `batch_stride` whose products lie `step` apart.
+    fn origin(&self, item: usize, batch_stride: usize, step: usize) -> usize {
+        let batch = self.dims.batch.max(1);
+        item / batch * step + item % batch * batch_stride
+    }
+
     fn run<M: Micro>(&self, micro: M)
     where
         M::Packed: PackInto,
     {
-        let Dims { batch, m, n, k } = self.dims;
+        let Dims { m, n, k, .. } = self.dims;
+        let batch = self.spacing.count * self.dims.batch;
         if batch == 0 || m == 0 || n == 0 {
             return;
         }
         let steps = k.div_ceil(M::B.k_per_step).next_multiple_of(M::B.a_group);
-        let parallel = self.dims.flops() >= PARALLEL_FLOPS;
+        let parallel = self.flops() >= PARALLEL_FLOPS;
         let n_blocks = n.div_ceil(M::B.nc);
         let threads = if parallel { rayon::current_num_threads() } else { 1 };
         let mc = rows_per_block(m, M::B.mr, M::B.mc, batch * n_blocks, threads);
@@ -240,10 +313,11 @@ impl Job<'_> {
             let a_packed = M::Packed::from_words(cache_aligned(&mut a_words, a_len));
             let b_packed = M::Packed::from_words(cache_aligned(&mut b_words, b_len));
             let a_lines = (m, self.a.row_stride, self.a.col_stride);
-            self.pack(&self.a, a_lines, (M::B.mr, steps, M::B.a_group), a_packed, parallel);
+            let a_op = (&self.a, self.spacing.a);
+            self.pack(a_op, a_lines, (M::B.mr, steps, M::B.a_group), a_packed, parallel);
             if !b_per_block {
                 let b_lines = (n, self.b.col_stride, self.b.row_stride);
-                self.pack(&self.b, b_lines, (M::B.nr, steps, 1), b_packed, parallel);
+                self.pack((&self.b, self.spacing.b), b_lines, (M::B.nr, steps, 1), b_packed, parallel);
             }
             let (a_packed, b_packed) = (&*a_packed, (&*b_packed, b_per_block));
             // Consecutive blocks share the larger packed operand's panels: rayon hands each thread a
@@ -270,12 +344,12 @@ impl Job<'_> {
         PACKED.set((a_words, b_words));
     }
 
-    /// Packs every panel of `op` (lines = rows of A or columns of B: `(count, line stride, k stride)`)
-    /// into panels of `width` lines and `steps` steps, in groups of `group` steps (`[steps / group]
-    /// [width][group]`).
+    /// Packs every panel of `op` (its products `step` apart; lines = rows of A or columns of B:
+    /// `(count, line stride, k stride)`) into panels of `width` lines and `steps` steps, in groups of
+    /// `group` steps (`[steps / group][width][group]`).
     fn pack<P: PackInto>(
         &self,
-        op: &MatRef<'_>,
+        (op, step): (&MatRef<'_>, usize),
         (count, line_stride, k_stride): (usize, usize, usize),
         (width, steps, group): (usize, usize, usize),
         dst: &mut [P],
@@ -289,12 +363,12 @@ impl Job<'_> {
         let panels = count.div_ceil(width);
         let compute = self.compute;
         if line_stride == 1 && group == 1 && width < pack::ACROSS_LINES / 2 {
-            self.pack_across(op, (count, k_stride), (width, steps), dst, parallel);
+            self.pack_across((op, step), (count, k_stride), (width, steps), dst, parallel);
             return;
         }
         let pack_one = |(i, panel): (usize, &mut [P])| {
-            let (batch, p) = (i / panels, i % panels);
-            let base = batch * op.batch_stride + p * width * line_stride;
+            let (item, p) = (i / panels, i % panels);
+            let base = self.origin(item, op.batch_stride, step) + p * width * line_stride;
             let lines = Lines { base, line_stride, k_stride, count: width.min(count - p * width), k, steps };
             match op.data {
                 GradSlice::F32(s) => pack::pack_panel(s, lines, width, group, compute, panel),
@@ -313,7 +387,7 @@ impl Job<'_> {
     /// ([`pack::pack_panels_across`]), the groups of each batch item in parallel.
     fn pack_across<P: PackInto>(
         &self,
-        op: &MatRef<'_>,
+        (op, step): (&MatRef<'_>, usize),
         (count, k_stride): (usize, usize),
         (width, steps): (usize, usize),
         dst: &mut [P],
@@ -324,14 +398,14 @@ impl Job<'_> {
         // At most ACROSS_LINES lines a group, and at least 8 groups in the whole product (when there are
         // panels enough), so that both threads get work; a batch of many items has groups enough at
         // full length (attention's products: 32 items of 128 lines each made groups of 18 lines).
-        let panels = self.dims.batch * count.div_ceil(width);
+        let panels = self.spacing.count * self.dims.batch * count.div_ceil(width);
         let per_group = (pack::ACROSS_LINES / width).min(panels.div_ceil(8)).max(1);
         let batch_len = count.div_ceil(width) * panel_len;
         let compute = self.compute;
-        let pack_group = |batch: usize, (g, group): (usize, &mut [P])| {
+        let pack_group = |item: usize, (g, group): (usize, &mut [P])| {
             let first = g * per_group * width;
             let lines = Lines {
-                base: batch * op.batch_stride + first,
+                base: self.origin(item, op.batch_stride, step) + first,
                 line_stride: 1,
                 k_stride,
                 count: (count - first).min(per_group * width),
@@ -344,14 +418,11 @@ impl Job<'_> {
                 GradSlice::Bf16(s) => pack::pack_panels_across(s, lines, width, compute, group),
             }
         };
-        let per_batch = |(batch, batch_dst): (usize, &mut [P])| {
+        let per_batch = |(item, batch_dst): (usize, &mut [P])| {
             if parallel {
-                batch_dst
-                    .par_chunks_mut(per_group * panel_len)
-                    .enumerate()
-                    .for_each(|g| pack_group(batch, g));
+                batch_dst.par_chunks_mut(per_group * panel_len).enumerate().for_each(|g| pack_group(item, g));
             } else {
-                batch_dst.chunks_mut(per_group * panel_len).enumerate().for_each(|g| pack_group(batch, g));
+                batch_dst.chunks_mut(per_group * panel_len).enumerate().for_each(|g| pack_group(item, g));
             }
         };
         if parallel {
@@ -370,7 +441,8 @@ impl Job<'_> {
         b_packed: BPanels<'_, M::Packed>,
     ) {
         let out = self.out;
-        let origin = blk.batch * out.batch_stride + blk.row * out.row_stride + blk.col;
+        let origin =
+            self.origin(blk.batch, out.batch_stride, self.spacing.c) + blk.row * out.row_stride + blk.col;
         match out.ptr {
             // SAFETY: `origin` and the block's extent lie inside C (layout::check), and no other block
             // writes these elements.
@@ -523,38 +595,47 @@ impl Job<'_> {
                     if let Some(next_b) = next_b {
                         prefetch::part_to_l2(next_b, ip, a_tiles);
                     }
-                    let a = a_panel(ip)[k0 * M::B.mr..].as_ptr();
                     let rows = M::B.mr.min(blk.rows - ip * M::B.mr);
+                    // The steps of this k-block the tile sums: all of them unless `triangle` skips some.
+                    let tile_rows = (blk.row + ip * M::B.mr, rows);
+                    let (first, kc) =
+                        tile_steps::<M>(self.triangle, tile_rows, blk.col + jp * M::B.nr, k0, kc);
+                    let last_block = k0 + M::B.kc >= steps;
+                    if kc == 0 && k0 > 0 && !(last_block && half.is_some()) {
+                        // Nothing to add, and the tile holds its sums so far.
+                        continue;
+                    }
+                    let a = a_panel(ip)[first * M::B.mr..].as_ptr();
+                    let b = b.wrapping_add((first - k0) * M::B.nr);
                     // SAFETY: the tile's origin is inside the block (caller), panels hold `kc` steps from
-                    // `k0` (packed for all `steps`), the micro-kernel exists only where it runs, and
+                    // `first` (packed for all `steps`), the micro-kernel exists only where it runs, and
                     // `begin` was called above.
                     unsafe {
                         let tile = c.add(ip * M::B.mr * ldc + jp * M::B.nr);
                         let row = row.map(|row| &row[jp * M::B.nr..jp * M::B.nr + cols]);
+                        let from = match row {
+                            Some(row) => TileFrom::Row(row.as_ptr()),
+                            None if load => TileFrom::Tile,
+                            None => TileFrom::Zero,
+                        };
+                        // Where the tile's sums go when this k-block is its last: half C.
+                        let to_half = match half {
+                            Some((out, ldo)) if last_block => {
+                                Some((out.add(ip * M::B.mr * ldo + jp * M::B.nr), ldo))
+                            }
+                            _ => None,
+                        };
                         let full = rows == M::B.mr && cols == M::B.nr;
-                        match half {
-                            Some((out, ldo)) if k0 + kc == steps => {
-                                let out = (out.add(ip * M::B.mr * ldo + jp * M::B.nr), ldo);
-                                let from = match row {
-                                    Some(row) => TileFrom::Row(row.as_ptr()),
-                                    None if load => TileFrom::Tile,
-                                    None => TileFrom::Zero,
-                                };
-                                if full {
-                                    micro.tile_to_half(kc, a, b, (tile, ldc), from, out);
-                                } else {
-                                    edge_tile(micro, kc, a, b, (tile, ldc), (rows, cols), from, Some(out));
-                                }
+                        match to_half {
+                            _ if kc == 0 => bare_tile((tile, ldc), (rows, cols), from, to_half),
+                            Some(out) if full => micro.tile_to_half(kc, a, b, (tile, ldc), from, out),
+                            Some(out) => {
+                                edge_tile(micro, kc, a, b, (tile, ldc), (rows, cols), from, Some(out))
                             }
-                            _ if !full => {
-                                let from = match row {
-                                    Some(row) => TileFrom::Row(row.as_ptr()),
-                                    None if load => TileFrom::Tile,
-                                    None => TileFrom::Zero,
-                                };
-                                edge_tile::<M, H>(micro, kc, a, b, (tile, ldc), (rows, cols), from, None);
+                            None if !full => {
+                                edge_tile::<M, H>(micro, kc, a, b, (tile, ldc), (rows, cols), from, None)
                             }
-                            _ => match row {
+                            None => match row {
                                 Some(row) => micro.tile_from_row(kc, a, b, tile, ldc, row.as_ptr()),
                                 None => micro.tile(kc, a, b, tile, ldc, load),
                             },
@@ -580,7 +661,9 @@ impl Job<'_> {
             let base = if k == 0 {
                 0
             } else {
-                blk.batch * op.batch_stride + col * op.col_stride + k_start * op.row_stride
+                self.origin(blk.batch, op.batch_stride, self.spacing.b)
+                    + col * op.col_stride
+                    + k_start * op.row_stride
             };
             let count = nr.min(self.dims.n - col);
             let lines =
@@ -639,6 +722,66 @@ fn rows_per_block(m: usize, mr: usize, mc: usize, other: usize, threads: usize) 
         }
     }
     m.div_ceil(m_blocks.max(1)).next_multiple_of(mr).min(mc)
+}
+
+/// The steps `(first, count)` of the k-block `k0..k0 + kc` that the tile of rows `(row, rows)` (of its
+/// matrix) and columns from `col` sums, given what `triangle` skips: whole groups of steps (a group of
+/// A's layout; a step is one `k`, or a pair), so the steps kept hold every non-zero term. `count` 0:
+/// the tile is only started.
+fn tile_steps<M: Micro>(
+    triangle: Triangle,
+    (row, rows): (usize, usize),
+    col: usize,
+    k0: usize,
+    kc: usize,
+) -> (usize, usize) {
+    let group = M::B.k_per_step * M::B.a_group;
+    let end = k0 + kc;
+    let (first, last) = match triangle {
+        Triangle::Full => (k0, end),
+        // Every column of the tile is right of every row's diagonal element.
+        Triangle::LowerC if col >= row + rows => (k0, k0),
+        Triangle::LowerC => (k0, end),
+        // Row i needs k <= i: the tile, k < row + rows.
+        Triangle::ZeroAboveA => (k0, ((row + rows).div_ceil(group) * M::B.a_group).clamp(k0, end)),
+        // Row i needs k >= i: the tile, k >= row.
+        Triangle::ZeroBelowA => ((row / group * M::B.a_group).clamp(k0, end), end),
+    };
+    (first, last - first)
+}
+
+/// A tile with no steps to sum (skipped by a [`Triangle`]): its start written to `c` (zero or its
+/// row; from `c`, nothing), or with `half`, its start or what `c` holds rounded into half-precision C.
+///
+/// # Safety
+/// `c` valid for `rows x cols` floats at distance `ldc`, `half` for `rows x cols` elements at its
+/// distance; a `TileFrom::Row` holds `cols` floats.
+unsafe fn bare_tile<H: HalfC>(
+    (c, ldc): (*mut f32, usize),
+    (rows, cols): (usize, usize),
+    from: TileFrom,
+    half: Option<(*mut H, usize)>,
+) {
+    for r in 0..rows {
+        // SAFETY: row r of the tile, as the caller guarantees; raw writes, as C may be uninitialised
+        // memory (`run_new`).
+        unsafe {
+            let c_row = c.add(r * ldc);
+            match (half, from) {
+                (None, TileFrom::Zero) => std::ptr::write_bytes(c_row, 0, cols),
+                (None, TileFrom::Row(row)) => std::ptr::copy_nonoverlapping(row, c_row, cols),
+                (None, TileFrom::Tile) => {}
+                (Some((out, ldo)), from) => {
+                    let out = std::slice::from_raw_parts_mut(out.add(r * ldo), cols);
+                    match from {
+                        TileFrom::Zero => out.fill(H::default()),
+                        TileFrom::Row(row) => H::narrow(std::slice::from_raw_parts(row, cols), out),
+                        TileFrom::Tile => H::narrow(std::slice::from_raw_parts(c_row, cols), out),
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// A tile cut by C's edge: computed whole in a local tile (its present part of `c` copied in, or its

@@ -37,6 +37,52 @@ impl Dims {
     }
 }
 
+/// Several products of the same sizes and strides, each reading its operands a fixed distance after
+/// the one before: attention's heads, side by side in the rows of a projection. One call runs them all
+/// in one parallel loop (no fork and join per product).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Groups {
+    /// How many products.
+    pub count: usize,
+    /// Elements from one product's A to the next's.
+    pub a_step: usize,
+    /// Elements from one product's B to the next's.
+    pub b_step: usize,
+    /// Where each product's result goes in the new C.
+    pub placement: Placement,
+}
+
+/// Where the products of [`Groups`] write their results in a new dense C.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// C is `(batch, m, count * n)`: product `g` the columns `g * n .. (g + 1) * n` of every row (heads
+    /// side by side, as a projection holds them).
+    SideBySide,
+    /// C is `(count, batch, m, n)`: product `g`'s batch after product `g - 1`'s.
+    Stacked,
+}
+
+/// Zeros of a product that its user knows of, and which the driver may skip: attention under a causal
+/// mask, where query `i` sees keys `j <= i`. Indices are those of each matrix of the batch. Skipping
+/// leaves out terms whose A factor is an exact zero, so the sums are the full product's unless B holds
+/// an infinity or a NaN where it meets those zeros, up to the sign of a zero sum. Paths that do not
+/// skip (the skinny one) compute the full product.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Triangle {
+    /// Nothing is skipped.
+    #[default]
+    Full,
+    /// `A[i][p] = 0` for `p > i`: row `i` of C sums over `p <= i` (causal probabilities times `V`, or
+    /// their gradient times `K`).
+    ZeroAboveA,
+    /// `A[i][p] = 0` for `p < i`: row `i` of C sums over `p >= i` (the transposed probabilities or their
+    /// gradient times the result's gradient or `Q`).
+    ZeroBelowA,
+    /// Only `C[i][j]` for `j <= i` is wanted (causal scores): tiles of C wholly above the diagonal are
+    /// written as zero instead of computed. The rest of C holds the product.
+    LowerC,
+}
+
 /// A read-only matrix operand: element `(b, i, j)` is `data[b * batch_stride + i * row_stride + j *
 /// col_stride]`.
 #[derive(Clone, Copy, Debug)]
@@ -67,6 +113,11 @@ impl<'a> MatRef<'a> {
     #[must_use]
     pub fn with_batch_stride(self, batch_stride: usize) -> MatRef<'a> {
         MatRef { batch_stride, ..self }
+    }
+
+    /// The same strides from `offset` elements on, or `None` past the slice's end.
+    pub(crate) fn advanced(self, offset: usize) -> Option<MatRef<'a>> {
+        (offset <= self.data.len()).then(|| MatRef { data: self.data.split_at(offset).1, ..self })
     }
 }
 
@@ -208,6 +259,35 @@ pub(crate) fn check_operands(dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>) -> Resu
     let Dims { batch, m, n, k } = dims;
     check_bounds("A", (batch, m, k), [a.batch_stride, a.row_stride, a.col_stride], a.data.len())?;
     check_bounds("B", (batch, k, n), [b.batch_stride, b.row_stride, b.col_stride], b.data.len())
+}
+
+/// Every index that any product of `groups` reads of A and B is inside its slice: the first's and the
+/// last's (the others lie between them).
+pub(crate) fn check_groups<'a>(
+    dims: Dims,
+    a: &MatRef<'a>,
+    b: &MatRef<'a>,
+    groups: &Groups,
+) -> Result<(), GemmError> {
+    check_operands(dims, a, b)?;
+    let Some(last) = groups.count.checked_sub(1) else { return Ok(()) };
+    let shifted = |operand: &'static str, view: MatRef<'a>, step: usize, (rows, cols): (usize, usize)| {
+        let offset = last.checked_mul(step);
+        offset.and_then(|offset| view.advanced(offset)).ok_or(GemmError::OutOfBounds {
+            operand,
+            rows,
+            cols,
+            batch: dims.batch,
+            row_stride: view.row_stride,
+            col_stride: view.col_stride,
+            batch_stride: view.batch_stride,
+            needed: offset.unwrap_or(usize::MAX).saturating_add(1),
+            len: view.data.len(),
+        })
+    };
+    let a = shifted("A", *a, groups.a_step, (dims.m, dims.k))?;
+    let b = shifted("B", *b, groups.b_step, (dims.k, dims.n))?;
+    check_operands(dims, &a, &b)
 }
 
 /// Every index the product reads or writes is inside its slice, and C's elements are distinct.

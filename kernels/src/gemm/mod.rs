@@ -53,7 +53,7 @@ mod transpose;
 
 pub use calibrate::{dot_product_speedup, PeakLoop, DOT_PAYS};
 pub use dpbf16::{dpbf16_lane, dpbf16_pair, tdpbf16_pair};
-pub use layout::{Dims, GemmError, MatMut, MatRef};
+pub use layout::{Dims, GemmError, Groups, MatMut, MatRef, Placement, Triangle};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use micro::tile_peak_loop;
 pub use path::{Compute, GemmPath};
@@ -153,35 +153,47 @@ pub fn gemm_new(
     })
 }
 
-/// Products side by side: `C = [A_0·B_0 | A_1·B_1 | ..]` into a new C `(batch, m, blocks * n)` of `out`'s
-/// type, block `g` the columns `g * n .. (g + 1) * n` of every row, each product `(batch, m, n)` with
-/// `k` steps (`dims`). Allocated and written once, as [`gemm_new`]'s C: attention's heads written
-/// where a `(batch, t, heads * d)` activation holds them, without a permuted copy.
+/// `groups.count` products of the same shape into a new C of `out`'s type, product `g` reading `a` and
+/// `b` `g * a_step` and `g * b_step` elements on, each `(batch, m, n)` with `k` steps (`dims`), placed
+/// side by side (C `(batch, m, count * n)`, product `g` the columns `g * n ..` of every row) or stacked
+/// (C `(count, batch, m, n)`). One parallel loop runs them all; `triangle` names zeros of A or a part
+/// of C that it may skip ([`Triangle`]). Allocated and written once, as [`gemm_new`]'s C: attention's
+/// heads read and written where a `(batch, t, heads * d)` activation holds them, without a permuted
+/// copy.
 ///
 /// # Errors
-/// As [`gemm_with`], for any block's operands.
-pub fn gemm_new_blocks(
+/// As [`gemm_with`], for any product's operands.
+pub fn gemm_new_groups(
     path: GemmPath,
     dims: Dims,
-    blocks: &[(MatRef<'_>, MatRef<'_>)],
+    (a, b): (MatRef<'_>, MatRef<'_>),
+    groups: Groups,
     out: OutputType,
     compute: Compute,
+    triangle: Triangle,
 ) -> Result<NewOutput, GemmError> {
     path.check(compute)?;
-    for (a, b) in blocks {
-        layout::check_operands(dims, a, b)?;
-    }
-    blocks
-        .len()
+    layout::check_groups(dims, &a, &b, &groups)?;
+    groups
+        .count
         .checked_mul(dims.n)
         .and_then(|w| w.checked_mul(dims.m))
         .and_then(|x| x.checked_mul(dims.batch))
         .expect("C fits in memory");
+    let run = (path, dims, (a, b), &groups, compute, triangle);
     Ok(match out {
-        OutputType::F32 => NewOutput::F32(driver::run_new_blocks(path, dims, blocks, compute)),
-        OutputType::F16 => NewOutput::F16(driver::run_new_blocks(path, dims, blocks, compute)),
-        OutputType::Bf16 => NewOutput::Bf16(driver::run_new_blocks(path, dims, blocks, compute)),
+        OutputType::F32 => NewOutput::F32(new_groups(run)),
+        OutputType::F16 => NewOutput::F16(new_groups(run)),
+        OutputType::Bf16 => NewOutput::Bf16(new_groups(run)),
     })
+}
+
+type GroupsRun<'a, 'g> = (GemmPath, Dims, (MatRef<'a>, MatRef<'a>), &'g Groups, Compute, Triangle);
+
+fn new_groups<T: driver::NewElement>(
+    (path, dims, operands, groups, compute, triangle): GroupsRun<'_, '_>,
+) -> Vec<T> {
+    driver::run_new_groups(path, dims, operands, groups, compute, triangle)
 }
 
 /// What each element of C starts from before the products are added.
