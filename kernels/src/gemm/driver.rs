@@ -313,11 +313,18 @@ impl<'a> Job<'a> {
             let a_packed = M::Packed::from_words(cache_aligned(&mut a_words, a_len));
             let b_packed = M::Packed::from_words(cache_aligned(&mut b_words, b_len));
             let a_lines = (m, self.a.row_stride, self.a.col_stride);
+            // A panel's steps past the last that its tiles sum (`ZeroAboveA`) are never read: not packed.
+            let a_steps = |p: usize| {
+                let rows = (p * M::B.mr, M::B.mr.min(m - p * M::B.mr));
+                let (first, count) = tile_steps::<M>(self.triangle, rows, 0, 0, steps);
+                first + count
+            };
             let a_op = (&self.a, self.spacing.a);
-            self.pack(a_op, a_lines, (M::B.mr, steps, M::B.a_group), a_packed, parallel);
+            self.pack(a_op, a_lines, (M::B.mr, steps, M::B.a_group), &a_steps, a_packed, parallel);
             if !b_per_block {
                 let b_lines = (n, self.b.col_stride, self.b.row_stride);
-                self.pack((&self.b, self.spacing.b), b_lines, (M::B.nr, steps, 1), b_packed, parallel);
+                let b_op = (&self.b, self.spacing.b);
+                self.pack(b_op, b_lines, (M::B.nr, steps, 1), &|_| steps, b_packed, parallel);
             }
             let (a_packed, b_packed) = (&*a_packed, (&*b_packed, b_per_block));
             // Consecutive blocks share the larger packed operand's panels: rayon hands each thread a
@@ -346,12 +353,15 @@ impl<'a> Job<'a> {
 
     /// Packs every panel of `op` (its products `step` apart; lines = rows of A or columns of B:
     /// `(count, line stride, k stride)`) into panels of `width` lines and `steps` steps, in groups of
-    /// `group` steps (`[steps / group][width][group]`).
+    /// `group` steps (`[steps / group][width][group]`): of panel `p` of each matrix, the first
+    /// `kept(p)` steps (a multiple of `group`; the rest is never read), or all of them where the
+    /// lines are contiguous.
     fn pack<P: PackInto>(
         &self,
         (op, step): (&MatRef<'_>, usize),
         (count, line_stride, k_stride): (usize, usize, usize),
         (width, steps, group): (usize, usize, usize),
+        kept: &(dyn Fn(usize) -> usize + Sync),
         dst: &mut [P],
         parallel: bool,
     ) {
@@ -369,6 +379,8 @@ impl<'a> Job<'a> {
         let pack_one = |(i, panel): (usize, &mut [P])| {
             let (item, p) = (i / panels, i % panels);
             let base = self.origin(item, op.batch_stride, step) + p * width * line_stride;
+            let steps = kept(p);
+            let (k, panel) = (k.min(steps * P::K_PER_STEP), &mut panel[..steps * width]);
             let lines = Lines { base, line_stride, k_stride, count: width.min(count - p * width), k, steps };
             match op.data {
                 GradSlice::F32(s) => pack::pack_panel(s, lines, width, group, compute, panel),
