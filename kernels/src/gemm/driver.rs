@@ -313,18 +313,18 @@ impl<'a> Job<'a> {
             let a_packed = M::Packed::from_words(cache_aligned(&mut a_words, a_len));
             let b_packed = M::Packed::from_words(cache_aligned(&mut b_words, b_len));
             let a_lines = (m, self.a.row_stride, self.a.col_stride);
-            // A panel's steps past the last that its tiles sum (`ZeroAboveA`) are never read: not packed.
+            // The steps of a panel that its tiles never sum (A's zeros under a triangle) are not packed.
             let a_steps = |p: usize| {
                 let rows = (p * M::B.mr, M::B.mr.min(m - p * M::B.mr));
                 let (first, count) = tile_steps::<M>(self.triangle, rows, 0, 0, steps);
-                first + count
+                (first, first + count)
             };
             let a_op = (&self.a, self.spacing.a);
             self.pack(a_op, a_lines, (M::B.mr, steps, M::B.a_group), &a_steps, a_packed, parallel);
             if !b_per_block {
                 let b_lines = (n, self.b.col_stride, self.b.row_stride);
                 let b_op = (&self.b, self.spacing.b);
-                self.pack(b_op, b_lines, (M::B.nr, steps, 1), &|_| steps, b_packed, parallel);
+                self.pack(b_op, b_lines, (M::B.nr, steps, 1), &|_| (0, steps), b_packed, parallel);
             }
             let (a_packed, b_packed) = (&*a_packed, (&*b_packed, b_per_block));
             // Consecutive blocks share the larger packed operand's panels: rayon hands each thread a
@@ -353,15 +353,15 @@ impl<'a> Job<'a> {
 
     /// Packs every panel of `op` (its products `step` apart; lines = rows of A or columns of B:
     /// `(count, line stride, k stride)`) into panels of `width` lines and `steps` steps, in groups of
-    /// `group` steps (`[steps / group][width][group]`): of panel `p` of each matrix, the first
-    /// `kept(p)` steps (a multiple of `group`; the rest is never read), or all of them where the
-    /// lines are contiguous.
+    /// `group` steps (`[steps / group][width][group]`). Of panel `p` of each matrix only the steps
+    /// `kept(p) = (first, end)` are read (multiples of `group`; `first` and `end` rising with `p`):
+    /// the panel is packed up to `end`, and where the lines are contiguous from `first` on.
     fn pack<P: PackInto>(
         &self,
         (op, step): (&MatRef<'_>, usize),
         (count, line_stride, k_stride): (usize, usize, usize),
         (width, steps, group): (usize, usize, usize),
-        kept: &(dyn Fn(usize) -> usize + Sync),
+        kept: &Kept<'_>,
         dst: &mut [P],
         parallel: bool,
     ) {
@@ -373,13 +373,13 @@ impl<'a> Job<'a> {
         let panels = count.div_ceil(width);
         let compute = self.compute;
         if line_stride == 1 && group == 1 && width < pack::ACROSS_LINES / 2 {
-            self.pack_across((op, step), (count, k_stride), (width, steps), dst, parallel);
+            self.pack_across((op, step), (count, k_stride), (width, steps), kept, dst, parallel);
             return;
         }
         let pack_one = |(i, panel): (usize, &mut [P])| {
             let (item, p) = (i / panels, i % panels);
             let base = self.origin(item, op.batch_stride, step) + p * width * line_stride;
-            let steps = kept(p);
+            let steps = kept(p).1;
             let (k, panel) = (k.min(steps * P::K_PER_STEP), &mut panel[..steps * width]);
             let lines = Lines { base, line_stride, k_stride, count: width.min(count - p * width), k, steps };
             match op.data {
@@ -402,6 +402,7 @@ impl<'a> Job<'a> {
         (op, step): (&MatRef<'_>, usize),
         (count, k_stride): (usize, usize),
         (width, steps): (usize, usize),
+        kept: &Kept<'_>,
         dst: &mut [P],
         parallel: bool,
     ) {
@@ -416,6 +417,8 @@ impl<'a> Job<'a> {
         let compute = self.compute;
         let pack_group = |item: usize, (g, group): (usize, &mut [P])| {
             let first = g * per_group * width;
+            // The steps any panel of the group reads: from its first panel's first to its last's end.
+            let span = (kept(g * per_group).0, kept(g * per_group + group.len() / panel_len - 1).1);
             let lines = Lines {
                 base: self.origin(item, op.batch_stride, step) + first,
                 line_stride: 1,
@@ -425,9 +428,9 @@ impl<'a> Job<'a> {
                 steps,
             };
             match op.data {
-                GradSlice::F32(s) => pack::pack_panels_across(s, lines, width, compute, group),
-                GradSlice::F16(s) => pack::pack_panels_across(s, lines, width, compute, group),
-                GradSlice::Bf16(s) => pack::pack_panels_across(s, lines, width, compute, group),
+                GradSlice::F32(s) => pack::pack_panels_across(s, lines, (width, span), compute, group),
+                GradSlice::F16(s) => pack::pack_panels_across(s, lines, (width, span), compute, group),
+                GradSlice::Bf16(s) => pack::pack_panels_across(s, lines, (width, span), compute, group),
             }
         };
         let per_batch = |(item, batch_dst): (usize, &mut [P])| {
@@ -688,6 +691,9 @@ impl<'a> Job<'a> {
         }
     }
 }
+
+/// The steps `(first, end)` of panel `p` (of its matrix) that its tiles read.
+type Kept<'a> = dyn Fn(usize) -> (usize, usize) + Sync + 'a;
 
 /// A block's source of B micro-panels: the panels packed before the blocks, or (`true`) none, the
 /// block packing its own a k-block at a time.

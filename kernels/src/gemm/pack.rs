@@ -313,11 +313,12 @@ widest_vectors! {
     /// whose lines are contiguous (`lines.line_stride == 1`: an operand read transposed), step by
     /// step across all of them at once: a step of a single panel is a run of `width` values per row,
     /// too short to pack well alone; across `lines.count <= ACROSS_LINES` lines it is one run that
-    /// vectorises, then split among the panels. Writes what [`PackInto::pack`] writes for each panel.
+    /// vectorises, then split among the panels. Writes what [`PackInto::pack`] writes for each panel,
+    /// for the steps `span = (first, end)` of `shape = (width, span)` only (the rest is never read).
     pub(crate) fn pack_panels_across<S: Source, P: PackInto>(
         src: &[S],
         lines: Lines,
-        width: usize,
+        shape: (usize, (usize, usize)),
         compute: Compute,
         dst: &mut [P],
     ) => panels_across;
@@ -327,7 +328,7 @@ widest_vectors! {
 fn panels_across<S: Source, P: PackInto>(
     src: &[S],
     lines: Lines,
-    width: usize,
+    (width, span): (usize, (usize, usize)),
     compute: Compute,
     dst: &mut [P],
 ) {
@@ -335,10 +336,10 @@ fn panels_across<S: Source, P: PackInto>(
     // copies are of a known size: a copy of `width` elements otherwise calls `memcpy` for every
     // panel at every step (a fifth of an fp32 weight-gradient product's packing on Zen 4).
     match width {
-        6 => panels_across_of::<S, P, 6>(src, lines, width, compute, dst),
-        16 => panels_across_of::<S, P, 16>(src, lines, width, compute, dst),
-        64 => panels_across_of::<S, P, 64>(src, lines, width, compute, dst),
-        _ => panels_across_of::<S, P, 0>(src, lines, width, compute, dst),
+        6 => panels_across_of::<S, P, 6>(src, lines, (width, span), compute, dst),
+        16 => panels_across_of::<S, P, 16>(src, lines, (width, span), compute, dst),
+        64 => panels_across_of::<S, P, 64>(src, lines, (width, span), compute, dst),
+        _ => panels_across_of::<S, P, 0>(src, lines, (width, span), compute, dst),
     }
 }
 
@@ -347,7 +348,7 @@ fn panels_across<S: Source, P: PackInto>(
 fn panels_across_of<S: Source, P: PackInto, const W: usize>(
     src: &[S],
     lines: Lines,
-    width: usize,
+    (width, (first, end)): (usize, (usize, usize)),
     compute: Compute,
     dst: &mut [P],
 ) {
@@ -356,7 +357,7 @@ fn panels_across_of<S: Source, P: PackInto, const W: usize>(
     let panel_len = lines.steps * width;
     let data_steps = lines.k.div_ceil(P::K_PER_STEP);
     let mut step = [P::default(); ACROSS_LINES];
-    for s in 0..lines.steps {
+    for s in first..end.min(lines.steps) {
         fetch_ahead::<S, P>(src, s, lines);
         if s < data_steps {
             P::across_lines(src, s, lines, compute, &mut step[..lines.count], 1);
