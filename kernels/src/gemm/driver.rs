@@ -623,8 +623,8 @@ impl<'a> Job<'a> {
                     let a = a_panel(ip)[first * M::B.mr..].as_ptr();
                     let b = b.wrapping_add((first - k0) * M::B.nr);
                     // SAFETY: the tile's origin is inside the block (caller), panels hold `kc` steps from
-                    // `first` (packed for all `steps`), the micro-kernel exists only where it runs, and
-                    // `begin` was called above.
+                    // `first` (packed for every step a tile reads: `Kept`), the micro-kernel exists only
+                    // where it runs, and `begin` was called above.
                     unsafe {
                         let tile = c.add(ip * M::B.mr * ldc + jp * M::B.nr);
                         let row = row.map(|row| &row[jp * M::B.nr..jp * M::B.nr + cols]);
