@@ -63,10 +63,12 @@ pub enum Placement {
 }
 
 /// Zeros of a product that its user knows of, and which the driver may skip: attention under a causal
-/// mask, where query `i` sees keys `j <= i`. Indices are those of each matrix of the batch. Skipping
-/// leaves out terms whose A factor is an exact zero, so the sums are the full product's unless B holds
-/// an infinity or a NaN where it meets those zeros, up to the sign of a zero sum. Paths that do not
-/// skip (the skinny one) compute the full product.
+/// mask, where query `i` sees keys `j <= i`. Indices are those of each matrix of the batch. The caller
+/// vouches for the zeros (a non-zero there would be left out too). Skipping leaves out terms whose A
+/// factor is an exact zero, so the sums are the full product's unless B holds an infinity or a NaN
+/// where it meets those zeros, up to the sign of a zero sum. The driver skips whole tiles and groups
+/// of steps, so some of the zeros are still multiplied; paths that do not skip (the skinny one)
+/// compute the full product.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Triangle {
     /// Nothing is skipped.

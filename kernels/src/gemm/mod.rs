@@ -188,6 +188,7 @@ pub fn gemm_new_groups(
     })
 }
 
+/// What [`gemm_new_groups`] hands the driver, for a C of any element type.
 type GroupsRun<'a, 'g> = (GemmPath, Dims, (MatRef<'a>, MatRef<'a>), &'g Groups, Compute, Triangle);
 
 fn new_groups<T: driver::NewElement>(
