@@ -101,25 +101,33 @@ mod loops {
 
     use super::{PeakLoop, ACC};
 
-    /// Runs the loop; the accumulators come back so that nothing is optimised away (the tile loop is
-    /// assembly, which is never removed).
-    pub(super) fn run(kind: PeakLoop, iters: usize) -> ([__m512; ACC], [__m256; ACC]) {
+    /// Runs the loop and folds its accumulators into one number, so that nothing is optimised away
+    /// (the tile loop is assembly, which is never removed). Each loop folds its own registers: no
+    /// vector of a width the CPU may lack is touched outside the function that needs it.
+    pub(super) fn run(kind: PeakLoop, iters: usize) -> f32 {
         // SAFETY: `PeakLoop::seconds` calls this only where `kind.isa()` is supported.
         unsafe {
             match kind {
-                PeakLoop::Dpbf16 => (dpbf16(iters), [_mm256_set1_ps(0.0); ACC]),
-                PeakLoop::FmaZmm => (fma_zmm(iters), [_mm256_set1_ps(0.0); ACC]),
-                PeakLoop::FmaYmm => ([_mm512_set1_ps(0.0); ACC], fma_ymm(iters)),
+                PeakLoop::Dpbf16 => dpbf16(iters),
+                PeakLoop::FmaZmm => fma_zmm(iters),
+                PeakLoop::FmaYmm => fma_ymm(iters),
                 PeakLoop::TileAmx => {
                     crate::gemm::tile_peak_loop(iters);
-                    ([_mm512_set1_ps(0.0); ACC], [_mm256_set1_ps(0.0); ACC])
+                    0.0
                 }
             }
         }
     }
 
+    /// The sum of every lane of every accumulator.
+    #[target_feature(enable = "avx512f")]
+    fn fold_zmm(acc: &[__m512; ACC]) -> f32 {
+        // SAFETY: a register of 16 f32 has the layout of `[f32; 16]`.
+        acc.iter().flat_map(|a| unsafe { std::mem::transmute::<__m512, [f32; 16]>(*a) }).sum()
+    }
+
     #[target_feature(enable = "avx512f,avx512bf16")]
-    fn dpbf16(iters: usize) -> [__m512; ACC] {
+    fn dpbf16(iters: usize) -> f32 {
         // SAFETY: retypes registers of 16 u32 as 32 bf16.
         let bh = |x: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(x) };
         let (x, y) =
@@ -131,11 +139,11 @@ mod loops {
                 *a = _mm512_dpbf16_ps(*a, x, y);
             }
         }
-        acc
+        fold_zmm(&acc)
     }
 
     #[target_feature(enable = "avx512f")]
-    fn fma_zmm(iters: usize) -> [__m512; ACC] {
+    fn fma_zmm(iters: usize) -> f32 {
         let (x, y) = (_mm512_set1_ps(1.0), std::hint::black_box(_mm512_set1_ps(1e-7)));
         let mut acc: [__m512; ACC] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
         for _ in 0..iters {
@@ -143,11 +151,11 @@ mod loops {
                 *a = _mm512_fmadd_ps(x, y, *a);
             }
         }
-        acc
+        fold_zmm(&acc)
     }
 
     #[target_feature(enable = "avx2,fma")]
-    fn fma_ymm(iters: usize) -> [__m256; ACC] {
+    fn fma_ymm(iters: usize) -> f32 {
         let (x, y) = (_mm256_set1_ps(1.0), std::hint::black_box(_mm256_set1_ps(1e-7)));
         let mut acc: [__m256; ACC] = std::array::from_fn(|i| _mm256_set1_ps(i as f32));
         for _ in 0..iters {
@@ -155,7 +163,8 @@ mod loops {
                 *a = _mm256_fmadd_ps(x, y, *a);
             }
         }
-        acc
+        // SAFETY: a register of 8 f32 has the layout of `[f32; 8]`.
+        acc.iter().flat_map(|a| unsafe { std::mem::transmute::<__m256, [f32; 8]>(*a) }).sum()
     }
 }
 
@@ -163,7 +172,29 @@ mod loops {
 mod loops {
     use super::PeakLoop;
 
-    pub(super) fn run(_kind: PeakLoop, _iters: usize) {
+    pub(super) fn run(_kind: PeakLoop, _iters: usize) -> f32 {
         unreachable!("the peak loops exist only on x86-64, and PeakLoop::seconds checks for them")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PeakLoop;
+
+    /// Every loop runs where its instruction exists and is refused where it does not. On a CPU without
+    /// AVX-512 this once died of an illegal instruction in the ymm loop, whose caller built zmm
+    /// registers for the loops it did not run.
+    #[test]
+    fn every_loop_runs_or_is_refused_on_this_cpu() {
+        for kind in [PeakLoop::Dpbf16, PeakLoop::FmaZmm, PeakLoop::FmaYmm, PeakLoop::TileAmx] {
+            let seconds = kind.seconds(10);
+            assert_eq!(seconds.is_some(), kind.isa().is_supported(), "{kind:?}");
+            assert!(seconds.is_none_or(|s| s > 0.0), "{kind:?}: {seconds:?}");
+        }
+        let ratio = super::dot_product_speedup();
+        assert_eq!(
+            ratio.is_some(),
+            PeakLoop::Dpbf16.isa().is_supported() && PeakLoop::FmaZmm.isa().is_supported()
+        );
     }
 }
