@@ -19,7 +19,8 @@ fn values(n: usize, seed: usize) -> Vec<f32> {
 fn outputs() -> Vec<Vec<u32>> {
     let mut out = Vec::new();
     // GEMM on the portable micro-kernels, so that only the packing differs between versions: f32 and
-    // half sources, row-major and transposed operands, bf16 pairs (`vdpbf16ps` model) and AMX groups.
+    // half sources, row-major and transposed operands, f32 panels for each compute precision (rounded
+    // or widened in registers where AVX2 is allowed), bf16 pairs (`vdpbf16ps` model) and AMX groups.
     let (m, n, k) = (37, 70, 45);
     let (a32, b32) = (values(m * k, 1), values(k * n, 2));
     let a16: Vec<f16> = a32.iter().map(|&v| f16::from_f32(v)).collect();
@@ -33,6 +34,7 @@ fn outputs() -> Vec<Vec<u32>> {
         for (path, compute) in [
             (GemmPath::Portable, Compute::F32),
             (GemmPath::Portable, Compute::Bf16),
+            (GemmPath::Portable, Compute::F16),
             (GemmPath::Avx512Bf16Model, Compute::Bf16),
             (GemmPath::AmxBf16Model, Compute::Bf16),
         ] {

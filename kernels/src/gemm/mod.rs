@@ -48,6 +48,7 @@ mod micro;
 mod pack;
 mod path;
 mod prefetch;
+mod row_load;
 mod skinny;
 mod transpose;
 

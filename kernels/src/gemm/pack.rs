@@ -15,6 +15,7 @@
 use half::{bf16, f16};
 
 use super::prefetch;
+use super::row_load::Load;
 use super::transpose::{transpose, transpose_rows};
 use super::Compute;
 use crate::branchless as bits;
@@ -25,9 +26,10 @@ pub(crate) trait Source: Copy + Send + Sync {
     fn rounded(self, compute: Compute) -> f32;
     /// The value rounded to bf16, as bits.
     fn bf16_bits(self) -> u16;
-    /// Whether a run of this type is already its packed words for `compute`, `k_per_step` elements a
-    /// word (f32 for f32 compute, bf16 pairs), so that it can be transposed into a panel where it lies.
-    fn is_packed(compute: Compute, k_per_step: usize) -> bool;
+    /// How a run of this type becomes its packed words for `compute` (`k_per_step` elements a word) in
+    /// registers, so that it can be transposed into a panel where it lies: a plain load where it holds
+    /// them already (f32 for f32 compute, bf16 pairs), else a conversion; `None` where there is none.
+    fn register_load(compute: Compute, k_per_step: usize) -> Option<Load>;
 }
 
 impl Source for f32 {
@@ -44,8 +46,8 @@ impl Source for f32 {
         bits::bf16_bits(self)
     }
     #[inline(always)]
-    fn is_packed(compute: Compute, k_per_step: usize) -> bool {
-        compute == Compute::F32 && k_per_step == 1
+    fn register_load(compute: Compute, k_per_step: usize) -> Option<Load> {
+        (k_per_step == 1).then(|| Load::from_f32(compute))
     }
 }
 
@@ -62,8 +64,8 @@ impl Source for f16 {
         bits::bf16_bits(bits::f16_to_f32(self))
     }
     #[inline(always)]
-    fn is_packed(_: Compute, _: usize) -> bool {
-        false
+    fn register_load(compute: Compute, k_per_step: usize) -> Option<Load> {
+        (k_per_step == 1 && compute != Compute::Bf16).then_some(Load::F16ToF32)
     }
 }
 
@@ -80,9 +82,13 @@ impl Source for bf16 {
         self.to_bits()
     }
     #[inline(always)]
-    fn is_packed(_: Compute, k_per_step: usize) -> bool {
-        // A pair word holds the even `k` in its low half: the little-endian order of the run.
-        k_per_step == 2 && cfg!(target_endian = "little")
+    fn register_load(compute: Compute, k_per_step: usize) -> Option<Load> {
+        match (k_per_step, compute) {
+            // A pair word holds the even `k` in its low half: the little-endian order of the run.
+            (2, _) => cfg!(target_endian = "little").then_some(Load::Words),
+            (1, Compute::F32 | Compute::Bf16) => Some(Load::Bf16ToF32),
+            _ => None,
+        }
     }
 }
 
@@ -239,25 +245,28 @@ fn through_tile_of<S: Source, P: PackInto, const W: usize>(
     data: &mut [P],
 ) {
     debug_assert!(lines.count <= width && width <= W);
-    // Where the operand already holds the panel's words (f32 for f32 compute, bf16 pairs) and every
-    // line is present, whole blocks are transposed from where they lie: no copy into the tile.
+    // Where the operand holds the panel's words (f32 for f32 compute, bf16 pairs) or a register load
+    // converts it into them, and every line is present, whole blocks are transposed from where they
+    // lie: no copy into the tile.
     let element = std::mem::size_of::<S>();
-    let in_place = S::is_packed(compute, P::K_PER_STEP)
-        && lines.count == width
-        && (lines.line_stride * element).is_multiple_of(4)
-        && (src.as_ptr() as usize + lines.base * element).is_multiple_of(4);
+    let load = S::register_load(compute, P::K_PER_STEP).filter(|&load| {
+        lines.count == width
+            && (load != Load::Words
+                || ((lines.line_stride * element).is_multiple_of(4)
+                    && (src.as_ptr() as usize + lines.base * element).is_multiple_of(4)))
+    });
     let mut tile = [[P::default(); CHUNK]; W];
     for (c, block) in data.chunks_mut(CHUNK * width).enumerate() {
         let steps = block.len() / width;
         let k0 = c * CHUNK * P::K_PER_STEP;
-        if in_place && k0 + steps * P::K_PER_STEP <= lines.k {
+        if let Some(load) = load.filter(|_| k0 + steps * P::K_PER_STEP <= lines.k) {
             let first = &src[lines.base + k0..];
             let last_line = (width - 1) * lines.line_stride + steps * P::K_PER_STEP;
             assert!(first.len() >= last_line, "the panel's lines lie inside the operand");
-            let row = lines.line_stride * element / 4;
-            // SAFETY: the lines start 4-byte aligned (checked above), each holds `steps` words of
-            // data (`k0 + steps * K_PER_STEP <= k`) inside `src` (asserted), `row` words apart.
-            if unsafe { transpose_rows(first.as_ptr().cast::<u32>(), row, steps, width, block) } {
+            let row = lines.line_stride * element;
+            // SAFETY: each line holds `steps` words of data (`k0 + steps * K_PER_STEP <= k`) inside
+            // `src` (asserted), `row` bytes apart; plain words start 4-byte aligned (checked above).
+            if unsafe { transpose_rows(first.as_ptr().cast::<u8>(), row, load, steps, width, block) } {
                 continue;
             }
         }

@@ -11,12 +11,14 @@
 //! usual four rounds of shuffles; on AVX2 in ymm registers, in 8 x 8 blocks. Only data moves: every
 //! version writes the same bits (`tests/vector_widths.rs` runs the packing capped at AVX2 and at the
 //! baseline, and compares). Where the operand already holds the panel's words (f32 for f32 compute,
-//! bf16 pairs) and the panel is whole, its blocks are transposed from where they lie
-//! ([`transpose_rows`]), with no copy into the tile: measured on a Zen 4, 2 threads, bf16 2048^3 (A
+//! bf16 pairs), or a register load converts it into them (f32 rounded to a half type, a half type
+//! widened: [`super::row_load`], in ymm registers), and the panel is whole, its blocks are transposed
+//! from where they lie ([`transpose_rows`]), with no copy into the tile: measured on a Zen 4, 2 threads, bf16 2048^3 (A
 //! read in place) 337-395 -> 401-413 GFLOP/s, BERT-base's FFN-down forward (both) +4-5% in two runs of
 //! three, the main job's forward product (`W^T` read in place) +1-6%.
 
 use super::pack::PackInto;
+use super::row_load::Load;
 
 /// Writes `tile[l][s]` to `block[s * width + l]` for `l < lines` and `s < steps`; the lines from
 /// `lines` to `width` of each step are left as they are.
@@ -50,26 +52,28 @@ fn in_registers<P: PackInto, const CHUNK: usize>(
 ) -> usize {
     #[cfg(target_arch = "x86_64")]
     if size_of::<P>() == 4 {
-        let (src, dst) = (tile.as_ptr().cast::<u32>(), block.as_mut_ptr().cast::<u32>());
+        let (src, dst) = (tile.as_ptr().cast::<u8>(), block.as_mut_ptr().cast::<u32>());
         // SAFETY: the tile has at least `width` rows of CHUNK >= `steps` words, the block `steps *
         // width` words (`transpose`'s assertion); `P` is 4 bytes, every bit pattern valid (`PackInto`).
-        return unsafe { x86::leading_steps(src, CHUNK, steps, width, dst) };
+        return unsafe { x86::leading_steps(src, 4 * CHUNK, Load::Words, steps, width, dst) };
     }
     let _ = (tile, steps, width, block);
     0
 }
 
-/// [`transpose`] of `width` full lines read where they lie: line `l`'s steps are the words from
-/// `src + l * row`. Returns false where no vector version runs or one leaves a tail of steps: the
-/// caller then writes the whole block through its tile (over any leading steps written here).
+/// [`transpose`] of `width` full lines read where they lie and converted by `load` on the way: line
+/// `l`'s steps are the elements from `src + l * row` bytes (`load.source_bytes()` each). Returns false
+/// where no vector version runs or one leaves a tail of steps: the caller then writes the whole block
+/// through its tile (over any leading steps written here).
 ///
 /// # Safety
-/// `src` is 4-byte aligned and valid for reading `width` rows of `steps` words, `row` words apart;
-/// `block` holds at least `steps * width` words.
+/// `src` is valid for reading `width` rows of `steps` elements, `row` bytes apart, and 4-byte aligned
+/// for [`Load::Words`]; `block` holds at least `steps * width` words.
 #[inline(always)]
 pub(crate) unsafe fn transpose_rows<P: PackInto>(
-    src: *const u32,
+    src: *const u8,
     row: usize,
+    load: Load,
     steps: usize,
     width: usize,
     block: &mut [P],
@@ -78,9 +82,10 @@ pub(crate) unsafe fn transpose_rows<P: PackInto>(
     #[cfg(target_arch = "x86_64")]
     if size_of::<P>() == 4 {
         // SAFETY: as the caller guarantees; `P` is 4 bytes, every bit pattern valid (`PackInto`).
-        return unsafe { x86::leading_steps(src, row, steps, width, block.as_mut_ptr().cast()) } == steps;
+        return unsafe { x86::leading_steps(src, row, load, steps, width, block.as_mut_ptr().cast()) }
+            == steps;
     }
-    let _ = (src, row, steps, width, block);
+    let _ = (src, row, load, steps, width, block);
     false
 }
 
@@ -88,42 +93,57 @@ pub(crate) unsafe fn transpose_rows<P: PackInto>(
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// The leading steps of `width` rows (`row` words apart from `src`) written into the panel by the
-    /// widest register version the CPU and the vectorisation cap allow: zmm for 6 lines and multiples
-    /// of 16, ymm for 6 lines and multiples of 8; returns how many (0 where none applies).
+    use super::super::row_load::x86::{Bf16ToF32, Eight, F16ToF32, F32ToBf16, F32ToF16, Words};
+    use super::Load;
+
+    /// The leading steps of `width` rows (`row` bytes apart from `src`), converted by `load`, written
+    /// into the panel by the widest register version the CPU and the vectorisation cap allow: plain
+    /// words in zmm for 6 lines and multiples of 16, in ymm for 6 lines and multiples of 8; converted
+    /// ones in ymm ([`super::super::row_load`]). Returns how many (0 where none applies).
     ///
     /// # Safety
-    /// `src` valid for reading `width` rows of `steps` words, `row` words apart; `dst` for writing
-    /// `steps * width` words.
+    /// `src` valid for reading `width` rows of `steps` elements, `row` bytes apart (4-byte aligned for
+    /// plain words); `dst` for writing `steps * width` words.
     #[inline(always)]
     pub(super) unsafe fn leading_steps(
-        src: *const u32,
+        src: *const u8,
         row: usize,
+        load: Load,
         steps: usize,
         width: usize,
         dst: *mut u32,
     ) -> usize {
-        if crate::vectorise::allows(crate::Isa::Avx512) {
+        if load == Load::Words && crate::vectorise::allows(crate::Isa::Avx512) {
+            let (words, row) = (src.cast::<u32>(), row / 4);
             if width == 6 {
                 let done = steps / 8 * 8;
                 // SAFETY: AVX-512 F is available; rows and output as the caller guarantees.
-                unsafe { six_lines(src, row, done, dst) };
+                unsafe { six_lines(words, row, done, dst) };
                 return done;
             }
             if width.is_multiple_of(16) {
                 let done = steps / 16 * 16;
                 // SAFETY: as above.
-                unsafe { sixteens(src, row, width, done, dst) };
+                unsafe { sixteens(words, row, width, done, dst) };
                 return done;
             }
         }
-        if crate::vectorise::allows(crate::Isa::Avx2) && (width == 6 || width.is_multiple_of(8)) {
-            let done = steps / 8 * 8;
-            // SAFETY: AVX2 is available; as above.
-            unsafe { eights(src, row, width, done, dst) };
-            return done;
+        if !(crate::vectorise::allows(crate::Isa::Avx2) && (width == 6 || width.is_multiple_of(8))) {
+            return 0;
         }
-        0
+        let done = steps / 8 * 8;
+        let step = load.source_bytes();
+        // SAFETY (each call): AVX2 and F16C are available (`Isa::Avx2`); as above.
+        unsafe {
+            match load {
+                Load::Words => eights::<Words>(src, row, step, width, done, dst),
+                Load::F32ToBf16 => eights::<F32ToBf16>(src, row, step, width, done, dst),
+                Load::F32ToF16 => eights::<F32ToF16>(src, row, step, width, done, dst),
+                Load::Bf16ToF32 => eights::<Bf16ToF32>(src, row, step, width, done, dst),
+                Load::F16ToF32 => eights::<F16ToF32>(src, row, step, width, done, dst),
+            }
+        }
+        done
     }
 
     /// Output word `16 q + i` of an 8-step group of a 6-line panel is step `s = j / 6` of line
@@ -218,13 +238,20 @@ mod x86 {
 
     /// [`super::transpose`] in ymm registers of a tile of 6 lines or of a multiple of 8, for `steps` (a
     /// multiple of 8) steps, in 8 x 8 blocks (a 6-line tile's two missing rows zero, each step's first 6
-    /// words stored).
+    /// words stored); each row's eight elements (`step` bytes each) loaded and converted by `E`.
     ///
     /// # Safety
-    /// AVX2; `tile` holds `width` rows of at least `steps` words, `row` words apart; `out` is valid for
-    /// writing `width * steps` words.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn eights(tile: *const u32, row: usize, width: usize, steps: usize, out: *mut u32) {
+    /// AVX2 and F16C; `tile` holds `width` rows of at least `steps` elements, `row` bytes apart; `out` is
+    /// valid for writing `width * steps` words.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn eights<E: Eight>(
+        tile: *const u8,
+        row: usize,
+        step: usize,
+        width: usize,
+        steps: usize,
+        out: *mut u32,
+    ) {
         for l0 in (0..width).step_by(8) {
             for s0 in (0..steps).step_by(8) {
                 // SAFETY: rows l0..min(l0 + 8, width) and steps s0..s0 + 8 lie in the tile, the output
@@ -232,7 +259,7 @@ mod x86 {
                 unsafe {
                     let mut rows = [_mm256_setzero_si256(); 8];
                     for (i, r) in rows.iter_mut().enumerate().take(width.min(8)) {
-                        *r = _mm256_loadu_si256(tile.add((l0 + i) * row + s0).cast());
+                        *r = E::load(tile.add((l0 + i) * row + s0 * step));
                     }
                     let columns = block_8x8(rows);
                     for (j, column) in columns.into_iter().enumerate() {
@@ -357,20 +384,22 @@ mod tests {
                     let mut direct = vec![0u32; steps * width];
                     // SAFETY: `src` holds `width` rows of `steps` words, `row` apart; the panel
                     // `steps * width` words.
-                    if unsafe { transpose_rows(src.as_ptr(), row, steps, width, &mut direct) } {
+                    let (at, bytes) = (src.as_ptr().cast(), 4 * row);
+                    if unsafe { transpose_rows(at, bytes, Load::Words, steps, width, &mut direct) } {
                         assert_eq!(direct, want, "in place: width {width}, steps {steps}");
                     }
                 }
                 #[cfg(target_arch = "x86_64")]
                 {
-                    let src = tile.as_ptr().cast::<u32>();
+                    use crate::gemm::row_load::x86::Words;
+                    let (src, bytes) = (tile.as_ptr().cast::<u32>(), tile.as_ptr().cast::<u8>());
                     let mut direct = vec![0u32; steps * width];
                     let dst = direct.as_mut_ptr();
                     let (eight, sixteen) = (steps / 8 * 8, steps / 16 * 16);
                     if crate::Isa::Avx2.is_supported() && (width == 6 || width % 8 == 0) {
                         // SAFETY: AVX2 present; the tile has `width` rows of CHUNK words, the panel
                         // `steps * width` words.
-                        unsafe { x86::eights(src, CHUNK, width, eight, dst) };
+                        unsafe { x86::eights::<Words>(bytes, 4 * CHUNK, 4, width, eight, dst) };
                         assert_eq!(
                             direct[..eight * width],
                             want[..eight * width],
