@@ -79,21 +79,29 @@ pub(crate) mod x86 {
     }
 
     impl Eight for F32ToBf16 {
-        /// `crate::branchless::bf16_bits` on each lane, shifted back into an f32's top half: rounded to
-        /// nearest even on the bits, a NaN made quiet with its sign and top payload bits.
         #[inline(always)]
         unsafe fn load(at: *const u8) -> __m256i {
-            unsafe {
-                let x = _mm256_loadu_si256(at.cast());
-                let top = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
-                let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
-                let rounded = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb);
-                let rounded = _mm256_and_si256(rounded, top);
-                let quiet = _mm256_and_si256(_mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000)), top);
-                let magnitude = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
-                let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F80_0000));
-                _mm256_blendv_epi8(rounded, quiet, nan)
-            }
+            unsafe { bf16_rounded(_mm256_loadu_si256(at.cast())) }
+        }
+    }
+
+    /// f32 bits rounded to bf16 in their top half, the low half zero: `crate::branchless::bf16_bits` on
+    /// each lane, shifted back (rounded to nearest even on the bits; a NaN made quiet with its sign and
+    /// top payload bits). The packing's loads and the ymm kernel's half output both round with it.
+    ///
+    /// # Safety
+    /// AVX2 (inlined into callers that enable it).
+    #[inline(always)]
+    pub(crate) unsafe fn bf16_rounded(x: __m256i) -> __m256i {
+        unsafe {
+            let top = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+            let rounded = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb);
+            let rounded = _mm256_and_si256(rounded, top);
+            let quiet = _mm256_and_si256(_mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000)), top);
+            let magnitude = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
+            let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F80_0000));
+            _mm256_blendv_epi8(rounded, quiet, nan)
         }
     }
 

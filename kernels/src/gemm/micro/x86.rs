@@ -5,15 +5,17 @@
 //! each of the 6 A values (for `vdpbf16ps`, each 32-bit bf16 pair) against them.
 
 use std::arch::x86_64::{
-    __m256, __m256i, __m512, __m512bh, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps,
-    _mm256_setzero_ps, _mm256_storeu_ps, _mm256_storeu_si256, _mm512_add_epi32, _mm512_and_si512,
-    _mm512_castps_si512, _mm512_cmpgt_epu32_mask, _mm512_cvtepi32_epi16, _mm512_cvtps_ph, _mm512_dpbf16_ps,
-    _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_blend_epi32, _mm512_or_si512,
-    _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_srli_epi32, _mm512_storeu_ps,
-    _MM_FROUND_TO_NEAREST_INT,
+    __m128i, __m256, __m256i, __m512, __m512bh, _mm256_broadcast_ss, _mm256_castps_si256,
+    _mm256_castsi256_si128, _mm256_cvtps_ph, _mm256_extracti128_si256, _mm256_fmadd_ps, _mm256_loadu_ps,
+    _mm256_setzero_ps, _mm256_srli_epi32, _mm256_storeu_ps, _mm256_storeu_si256, _mm512_add_epi32,
+    _mm512_and_si512, _mm512_castps_si512, _mm512_cmpgt_epu32_mask, _mm512_cvtepi32_epi16, _mm512_cvtps_ph,
+    _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_blend_epi32,
+    _mm512_or_si512, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_srli_epi32,
+    _mm512_storeu_ps, _mm_packus_epi32, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
 };
 
 use super::{Blocking, HalfC, Micro, TileFrom, F32_6X16, F32_6X64, PAIRS_6X64};
+use crate::gemm::row_load::x86::bf16_rounded;
 use crate::Isa;
 
 /// f32 FMA on ymm registers, 6 x 16 tiles. Constructible only where AVX2 + FMA run.
@@ -52,8 +54,8 @@ impl Micro for FmaAvx2 {
 
     unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
         let from = if load { TileFrom::Tile } else { TileFrom::Zero };
-        // SAFETY: a `FmaAvx2` exists only where AVX2 and FMA run; pointers as the caller guarantees.
-        unsafe { fma_6x16(steps, a, b, (c, ldc), from) }
+        // SAFETY: a `FmaAvx2` exists only where AVX2, FMA and F16C run; pointers as the caller guarantees.
+        unsafe { fma_6x16(steps, a, b, (c, ldc), from, TileOut::F32) }
     }
 
     unsafe fn tile_from_row(
@@ -66,31 +68,7 @@ impl Micro for FmaAvx2 {
         row: *const f32,
     ) {
         // SAFETY: as above.
-        unsafe { fma_6x16(steps, a, b, (c, ldc), TileFrom::Row(row)) }
-    }
-}
-
-impl Micro for FmaAvx512 {
-    type Packed = f32;
-    const B: Blocking = F32_6X64;
-
-    unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
-        let from = if load { TileFrom::Tile } else { TileFrom::Zero };
-        // SAFETY: a `FmaAvx512` exists only where AVX-512 runs; pointers as the caller guarantees.
-        unsafe { fma_6x64(steps, a, b, (c, ldc), from, ZmmOut::F32) }
-    }
-
-    unsafe fn tile_from_row(
-        self,
-        steps: usize,
-        a: *const f32,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-        row: *const f32,
-    ) {
-        // SAFETY: as above.
-        unsafe { fma_6x64(steps, a, b, (c, ldc), TileFrom::Row(row), ZmmOut::F32) }
+        unsafe { fma_6x16(steps, a, b, (c, ldc), TileFrom::Row(row), TileOut::F32) }
     }
 
     unsafe fn tile_to_half<H: HalfC>(
@@ -102,7 +80,45 @@ impl Micro for FmaAvx512 {
         from: TileFrom,
         (out, ldo): (*mut H, usize),
     ) {
-        let out = ZmmOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
+        let out = TileOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
+        // SAFETY: as above.
+        unsafe { fma_6x16(steps, a, b, c, from, out) }
+    }
+}
+
+impl Micro for FmaAvx512 {
+    type Packed = f32;
+    const B: Blocking = F32_6X64;
+
+    unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
+        let from = if load { TileFrom::Tile } else { TileFrom::Zero };
+        // SAFETY: a `FmaAvx512` exists only where AVX-512 runs; pointers as the caller guarantees.
+        unsafe { fma_6x64(steps, a, b, (c, ldc), from, TileOut::F32) }
+    }
+
+    unsafe fn tile_from_row(
+        self,
+        steps: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        row: *const f32,
+    ) {
+        // SAFETY: as above.
+        unsafe { fma_6x64(steps, a, b, (c, ldc), TileFrom::Row(row), TileOut::F32) }
+    }
+
+    unsafe fn tile_to_half<H: HalfC>(
+        self,
+        steps: usize,
+        a: *const f32,
+        b: *const f32,
+        c: (*mut f32, usize),
+        from: TileFrom,
+        (out, ldo): (*mut H, usize),
+    ) {
+        let out = TileOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
         // SAFETY: as above.
         unsafe { fma_6x64(steps, a, b, c, from, out) }
     }
@@ -115,7 +131,7 @@ impl Micro for DotAvx512Bf16 {
     unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
         let from = if load { TileFrom::Tile } else { TileFrom::Zero };
         // SAFETY: a `DotAvx512Bf16` exists only where AVX512-BF16 runs; pointers as the caller guarantees.
-        unsafe { dot_6x64(steps, a, b, (c, ldc), from, ZmmOut::F32) }
+        unsafe { dot_6x64(steps, a, b, (c, ldc), from, TileOut::F32) }
     }
 
     unsafe fn tile_from_row(
@@ -128,7 +144,7 @@ impl Micro for DotAvx512Bf16 {
         row: *const f32,
     ) {
         // SAFETY: as above.
-        unsafe { dot_6x64(steps, a, b, (c, ldc), TileFrom::Row(row), ZmmOut::F32) }
+        unsafe { dot_6x64(steps, a, b, (c, ldc), TileFrom::Row(row), TileOut::F32) }
     }
 
     unsafe fn tile_to_half<H: HalfC>(
@@ -140,17 +156,17 @@ impl Micro for DotAvx512Bf16 {
         from: TileFrom,
         (out, ldo): (*mut H, usize),
     ) {
-        let out = ZmmOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
+        let out = TileOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
         // SAFETY: as above.
         unsafe { dot_6x64(steps, a, b, c, from, out) }
     }
 }
 
-/// Where a zmm tile's sums go: back to the f32 tile at `c`, or rounded into half-precision C.
+/// Where a tile's sums go: back to the f32 tile at `c`, or rounded into half-precision C.
 #[derive(Clone, Copy)]
-enum ZmmOut {
+enum TileOut {
     F32,
-    /// 6 rows of 64 bf16 (`bf16`) or f16 values `ldo` elements apart.
+    /// The tile's rows of bf16 (`bf16`) or f16 values, `ldo` elements apart.
     Half {
         ptr: *mut u16,
         ldo: usize,
@@ -159,9 +175,17 @@ enum ZmmOut {
 }
 
 /// The 6 x 16 tile from zeros, from C, or from a row of 16 floats (a bias: loaded into the
-/// accumulators, not copied into C first and read back).
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fma_6x16(steps: usize, a: *const f32, b: *const f32, (c, ldc): (*mut f32, usize), from: TileFrom) {
+/// accumulators, not copied into C first and read back); its sums stored into the f32 tile at `c` or
+/// rounded from the registers into half-precision C (as `half`'s `from_f32`: F16C for f16).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fma_6x16(
+    steps: usize,
+    a: *const f32,
+    b: *const f32,
+    (c, ldc): (*mut f32, usize),
+    from: TileFrom,
+    out: TileOut,
+) {
     let mut acc = [[_mm256_setzero_ps(); 2]; 6];
     // SAFETY (whole body): pointers valid as `Micro::tile` / `Micro::tile_from_row` require.
     unsafe {
@@ -189,11 +213,45 @@ unsafe fn fma_6x16(steps: usize, a: *const f32, b: *const f32, (c, ldc): (*mut f
                 }
             }
         }
-        for (r, row) in acc.iter().enumerate() {
-            for (j, &x) in row.iter().enumerate() {
-                _mm256_storeu_ps(c.add(r * ldc + 8 * j), x);
+        // One loop per destination (each unrolled whole, so the accumulators stay in registers).
+        match out {
+            TileOut::F32 => {
+                for (r, row) in acc.iter().enumerate() {
+                    for (j, &x) in row.iter().enumerate() {
+                        _mm256_storeu_ps(c.add(r * ldc + 8 * j), x);
+                    }
+                }
+            }
+            TileOut::Half { ptr, ldo, bf16: true } => {
+                for (r, row) in acc.iter().enumerate() {
+                    for (j, &x) in row.iter().enumerate() {
+                        _mm_storeu_si128(ptr.add(r * ldo + 8 * j).cast::<__m128i>(), bf16_bits_8(x));
+                    }
+                }
+            }
+            TileOut::Half { ptr, ldo, bf16: false } => {
+                for (r, row) in acc.iter().enumerate() {
+                    for (j, &x) in row.iter().enumerate() {
+                        let half = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+                        _mm_storeu_si128(ptr.add(r * ldo + 8 * j).cast::<__m128i>(), half);
+                    }
+                }
             }
         }
+    }
+}
+
+/// 8 floats rounded to bf16 bits, as `half`'s `bf16::from_f32` does: the ymm form of [`bf16_bits`].
+///
+/// # Safety
+/// AVX2 available (inlined into the kernel, whose target features it takes).
+#[inline(always)]
+unsafe fn bf16_bits_8(x: __m256) -> __m128i {
+    // SAFETY (whole body): AVX2, as the caller guarantees. The rounded values fit in 16 bits, so the
+    // saturating pack only narrows them.
+    unsafe {
+        let bits = _mm256_srli_epi32::<16>(bf16_rounded(_mm256_castps_si256(x)));
+        _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256::<1>(bits))
     }
 }
 
@@ -204,7 +262,7 @@ unsafe fn fma_6x64(
     b: *const f32,
     (c, ldc): (*mut f32, usize),
     from: TileFrom,
-    out: ZmmOut,
+    out: TileOut,
 ) {
     // SAFETY (whole body): pointers valid as `Micro::tile` / `Micro::tile_to_half` require.
     unsafe {
@@ -235,7 +293,7 @@ unsafe fn dot_6x64(
     b: *const u32,
     (c, ldc): (*mut f32, usize),
     from: TileFrom,
-    out: ZmmOut,
+    out: TileOut,
 ) {
     // SAFETY (whole body): pointers valid as `Micro::tile` / `Micro::tile_to_half` require. A zmm of 16
     // u32 is a zmm of 32 bf16 (element 2i in the low half of dword i): the transmutes only retype
@@ -301,26 +359,26 @@ unsafe fn zmm_tile(c: *const f32, ldc: usize, from: TileFrom) -> [[__m512; 4]; 6
 /// AVX-512 available (inlined, as [`zmm_tile`]); the destination is valid for writes of 6 rows of 64
 /// values at its row stride.
 #[inline(always)]
-unsafe fn store_zmm_tile(acc: &[[__m512; 4]; 6], c: *mut f32, ldc: usize, out: ZmmOut) {
+unsafe fn store_zmm_tile(acc: &[[__m512; 4]; 6], c: *mut f32, ldc: usize, out: TileOut) {
     // One loop per destination (each unrolled whole, so the accumulators stay in registers).
     // SAFETY (whole body): AVX-512 and bounds as the caller guarantees.
     unsafe {
         match out {
-            ZmmOut::F32 => {
+            TileOut::F32 => {
                 for (r, row) in acc.iter().enumerate() {
                     for (j, &x) in row.iter().enumerate() {
                         _mm512_storeu_ps(c.add(r * ldc + 16 * j), x);
                     }
                 }
             }
-            ZmmOut::Half { ptr, ldo, bf16: true } => {
+            TileOut::Half { ptr, ldo, bf16: true } => {
                 for (r, row) in acc.iter().enumerate() {
                     for (j, &x) in row.iter().enumerate() {
                         _mm256_storeu_si256(ptr.add(r * ldo + 16 * j).cast::<__m256i>(), bf16_bits(x));
                     }
                 }
             }
-            ZmmOut::Half { ptr, ldo, bf16: false } => {
+            TileOut::Half { ptr, ldo, bf16: false } => {
                 for (r, row) in acc.iter().enumerate() {
                     for (j, &x) in row.iter().enumerate() {
                         let half = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
