@@ -13,9 +13,9 @@
 //! baseline, and compares). Where the operand already holds the panel's words (f32 for f32 compute,
 //! bf16 pairs), or a register load converts it into them (f32 rounded to a half type, a half type
 //! widened: [`super::row_load`], in ymm registers), and the panel is whole, its blocks are transposed
-//! from where they lie ([`transpose_rows`]), with no copy into the tile: measured on a Zen 4, 2 threads, bf16 2048^3 (A
-//! read in place) 337-395 -> 401-413 GFLOP/s, BERT-base's FFN-down forward (both) +4-5% in two runs of
-//! three, the main job's forward product (`W^T` read in place) +1-6%.
+//! from where they lie ([`transpose_rows`]), with no copy into the tile: measured on a Zen 4, 2
+//! threads, bf16 2048^3 (A read in place) 337-395 -> 401-413 GFLOP/s, BERT-base's FFN-down forward
+//! (both) +4-5% in two runs of three, the main job's forward product (`W^T` read in place) +1-6%.
 
 use super::pack::PackInto;
 use super::row_load::Load;
