@@ -213,31 +213,7 @@ unsafe fn fma_6x16(
                 }
             }
         }
-        // One loop per destination (each unrolled whole, so the accumulators stay in registers).
-        match out {
-            TileOut::F32 => {
-                for (r, row) in acc.iter().enumerate() {
-                    for (j, &x) in row.iter().enumerate() {
-                        _mm256_storeu_ps(c.add(r * ldc + 8 * j), x);
-                    }
-                }
-            }
-            TileOut::Half { ptr, ldo, bf16: true } => {
-                for (r, row) in acc.iter().enumerate() {
-                    for (j, &x) in row.iter().enumerate() {
-                        _mm_storeu_si128(ptr.add(r * ldo + 8 * j).cast::<__m128i>(), bf16_bits_8(x));
-                    }
-                }
-            }
-            TileOut::Half { ptr, ldo, bf16: false } => {
-                for (r, row) in acc.iter().enumerate() {
-                    for (j, &x) in row.iter().enumerate() {
-                        let half = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
-                        _mm_storeu_si128(ptr.add(r * ldo + 8 * j).cast::<__m128i>(), half);
-                    }
-                }
-            }
-        }
+        store_tile::<Ymm, 2>(&acc, (c, ldc), out);
     }
 }
 
@@ -282,7 +258,7 @@ unsafe fn fma_6x64(
                 }
             }
         }
-        store_zmm_tile(&acc, c, ldc, out);
+        store_tile::<Zmm, 4>(&acc, (c, ldc), out);
     }
 }
 
@@ -315,7 +291,7 @@ unsafe fn dot_6x64(
                 }
             }
         }
-        store_zmm_tile(&acc, c, ldc, out);
+        store_tile::<Zmm, 4>(&acc, (c, ldc), out);
     }
 }
 
@@ -352,41 +328,100 @@ unsafe fn zmm_tile(c: *const f32, ldc: usize, from: TileFrom) -> [[__m512; 4]; 6
     }
 }
 
-/// Stores 24 zmm accumulators: into the 6 x 64 f32 tile at `c` (row stride `ldc`), or rounded into
-/// half-precision C.
+/// Stores a tile's accumulators (6 rows of `J` registers): into the f32 tile at `c` (row stride
+/// `ldc`), or rounded into half-precision C.
 ///
 /// # Safety
-/// AVX-512 available (inlined, as [`zmm_tile`]); the destination is valid for writes of 6 rows of 64
-/// values at its row stride.
+/// The register width's extensions available (inlined into the kernels, whose target features it
+/// takes: the accumulators stay in registers); the destination is valid for writes of 6 rows of `J *
+/// W::LANES` values at its row stride.
 #[inline(always)]
-unsafe fn store_zmm_tile(acc: &[[__m512; 4]; 6], c: *mut f32, ldc: usize, out: TileOut) {
+unsafe fn store_tile<W: Width, const J: usize>(
+    acc: &[[W::V; J]; 6],
+    (c, ldc): (*mut f32, usize),
+    out: TileOut,
+) {
     // One loop per destination (each unrolled whole, so the accumulators stay in registers).
-    // SAFETY (whole body): AVX-512 and bounds as the caller guarantees.
+    // SAFETY (whole body): extensions and bounds as the caller guarantees.
     unsafe {
+        let lanes = W::LANES;
         match out {
             TileOut::F32 => {
                 for (r, row) in acc.iter().enumerate() {
                     for (j, &x) in row.iter().enumerate() {
-                        _mm512_storeu_ps(c.add(r * ldc + 16 * j), x);
+                        W::store_f32(c.add(r * ldc + lanes * j), x);
                     }
                 }
             }
             TileOut::Half { ptr, ldo, bf16: true } => {
                 for (r, row) in acc.iter().enumerate() {
                     for (j, &x) in row.iter().enumerate() {
-                        _mm256_storeu_si256(ptr.add(r * ldo + 16 * j).cast::<__m256i>(), bf16_bits(x));
+                        W::store_bf16(ptr.add(r * ldo + lanes * j), x);
                     }
                 }
             }
             TileOut::Half { ptr, ldo, bf16: false } => {
                 for (r, row) in acc.iter().enumerate() {
                     for (j, &x) in row.iter().enumerate() {
-                        let half = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
-                        _mm256_storeu_si256(ptr.add(r * ldo + 16 * j).cast::<__m256i>(), half);
+                        W::store_f16(ptr.add(r * ldo + lanes * j), x);
                     }
                 }
             }
         }
+    }
+}
+
+/// A register width's stores of one accumulator, as f32 or rounded to bf16 or f16 (as `half`'s
+/// `from_f32` does: F16C's or AVX-512's conversion for f16).
+///
+/// # Safety (every method)
+/// The width's extensions available (inlined into the kernels); the destination valid for writes of
+/// `LANES` values.
+trait Width {
+    type V: Copy;
+    const LANES: usize;
+    unsafe fn store_f32(at: *mut f32, x: Self::V);
+    unsafe fn store_bf16(at: *mut u16, x: Self::V);
+    unsafe fn store_f16(at: *mut u16, x: Self::V);
+}
+
+/// ymm registers (AVX2, FMA and F16C).
+struct Ymm;
+/// zmm registers (AVX-512).
+struct Zmm;
+
+// SAFETY (every method below): as `Width` requires of its caller.
+impl Width for Ymm {
+    type V = __m256;
+    const LANES: usize = 8;
+    #[inline(always)]
+    unsafe fn store_f32(at: *mut f32, x: __m256) {
+        unsafe { _mm256_storeu_ps(at, x) }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16(at: *mut u16, x: __m256) {
+        unsafe { _mm_storeu_si128(at.cast::<__m128i>(), bf16_bits_8(x)) }
+    }
+    #[inline(always)]
+    unsafe fn store_f16(at: *mut u16, x: __m256) {
+        unsafe { _mm_storeu_si128(at.cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)) }
+    }
+}
+
+impl Width for Zmm {
+    type V = __m512;
+    const LANES: usize = 16;
+    #[inline(always)]
+    unsafe fn store_f32(at: *mut f32, x: __m512) {
+        unsafe { _mm512_storeu_ps(at, x) }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16(at: *mut u16, x: __m512) {
+        unsafe { _mm256_storeu_si256(at.cast::<__m256i>(), bf16_bits(x)) }
+    }
+    #[inline(always)]
+    unsafe fn store_f16(at: *mut u16, x: __m512) {
+        unsafe { _mm256_storeu_si256(at.cast::<__m256i>(), _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)) }
     }
 }
 
