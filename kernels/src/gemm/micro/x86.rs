@@ -18,7 +18,7 @@ use super::{Blocking, HalfC, Micro, TileFrom, F32_6X16, F32_6X64, PAIRS_6X64};
 use crate::gemm::row_load::x86::bf16_rounded;
 use crate::Isa;
 
-/// f32 FMA on ymm registers, 6 x 16 tiles. Constructible only where AVX2 + FMA run.
+/// f32 FMA on ymm registers, 6 x 16 tiles. Constructible only where AVX2, FMA and F16C run.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct FmaAvx2(());
 
@@ -30,137 +30,66 @@ pub(crate) struct FmaAvx512(());
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct DotAvx512Bf16(());
 
-impl FmaAvx2 {
-    pub(crate) fn new() -> Option<Self> {
-        Isa::Avx2.is_supported().then_some(FmaAvx2(()))
-    }
+/// A register kernel's constructor (which checks the CPU) and its [`Micro`] methods, each a call of
+/// `$kernel` with the tile's start and destination.
+macro_rules! register_kernel {
+    ($name:ident, $isa:expr, $packed:ty, $blocking:expr, $kernel:ident) => {
+        impl $name {
+            pub(crate) fn new() -> Option<Self> {
+                $isa.is_supported().then_some($name(()))
+            }
+        }
+
+        // SAFETY (every call of the kernel below): a value of this type exists only where its
+        // instructions run (`new` checks); pointers as the caller guarantees.
+        impl Micro for $name {
+            type Packed = $packed;
+            const B: Blocking = $blocking;
+
+            unsafe fn tile(
+                self,
+                steps: usize,
+                a: *const $packed,
+                b: *const $packed,
+                c: *mut f32,
+                ldc: usize,
+                load: bool,
+            ) {
+                let from = if load { TileFrom::Tile } else { TileFrom::Zero };
+                unsafe { $kernel(steps, a, b, (c, ldc), from, TileOut::F32) }
+            }
+
+            unsafe fn tile_from_row(
+                self,
+                steps: usize,
+                a: *const $packed,
+                b: *const $packed,
+                c: *mut f32,
+                ldc: usize,
+                row: *const f32,
+            ) {
+                unsafe { $kernel(steps, a, b, (c, ldc), TileFrom::Row(row), TileOut::F32) }
+            }
+
+            unsafe fn tile_to_half<H: HalfC>(
+                self,
+                steps: usize,
+                a: *const $packed,
+                b: *const $packed,
+                c: (*mut f32, usize),
+                from: TileFrom,
+                (out, ldo): (*mut H, usize),
+            ) {
+                let out = TileOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
+                unsafe { $kernel(steps, a, b, c, from, out) }
+            }
+        }
+    };
 }
 
-impl FmaAvx512 {
-    pub(crate) fn new() -> Option<Self> {
-        Isa::Avx512.is_supported().then_some(FmaAvx512(()))
-    }
-}
-
-impl DotAvx512Bf16 {
-    pub(crate) fn new() -> Option<Self> {
-        Isa::Avx512Bf16.is_supported().then_some(DotAvx512Bf16(()))
-    }
-}
-
-impl Micro for FmaAvx2 {
-    type Packed = f32;
-    const B: Blocking = F32_6X16;
-
-    unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
-        let from = if load { TileFrom::Tile } else { TileFrom::Zero };
-        // SAFETY: a `FmaAvx2` exists only where AVX2, FMA and F16C run; pointers as the caller guarantees.
-        unsafe { fma_6x16(steps, a, b, (c, ldc), from, TileOut::F32) }
-    }
-
-    unsafe fn tile_from_row(
-        self,
-        steps: usize,
-        a: *const f32,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-        row: *const f32,
-    ) {
-        // SAFETY: as above.
-        unsafe { fma_6x16(steps, a, b, (c, ldc), TileFrom::Row(row), TileOut::F32) }
-    }
-
-    unsafe fn tile_to_half<H: HalfC>(
-        self,
-        steps: usize,
-        a: *const f32,
-        b: *const f32,
-        c: (*mut f32, usize),
-        from: TileFrom,
-        (out, ldo): (*mut H, usize),
-    ) {
-        let out = TileOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
-        // SAFETY: as above.
-        unsafe { fma_6x16(steps, a, b, c, from, out) }
-    }
-}
-
-impl Micro for FmaAvx512 {
-    type Packed = f32;
-    const B: Blocking = F32_6X64;
-
-    unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
-        let from = if load { TileFrom::Tile } else { TileFrom::Zero };
-        // SAFETY: a `FmaAvx512` exists only where AVX-512 runs; pointers as the caller guarantees.
-        unsafe { fma_6x64(steps, a, b, (c, ldc), from, TileOut::F32) }
-    }
-
-    unsafe fn tile_from_row(
-        self,
-        steps: usize,
-        a: *const f32,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-        row: *const f32,
-    ) {
-        // SAFETY: as above.
-        unsafe { fma_6x64(steps, a, b, (c, ldc), TileFrom::Row(row), TileOut::F32) }
-    }
-
-    unsafe fn tile_to_half<H: HalfC>(
-        self,
-        steps: usize,
-        a: *const f32,
-        b: *const f32,
-        c: (*mut f32, usize),
-        from: TileFrom,
-        (out, ldo): (*mut H, usize),
-    ) {
-        let out = TileOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
-        // SAFETY: as above.
-        unsafe { fma_6x64(steps, a, b, c, from, out) }
-    }
-}
-
-impl Micro for DotAvx512Bf16 {
-    type Packed = u32;
-    const B: Blocking = PAIRS_6X64;
-
-    unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
-        let from = if load { TileFrom::Tile } else { TileFrom::Zero };
-        // SAFETY: a `DotAvx512Bf16` exists only where AVX512-BF16 runs; pointers as the caller guarantees.
-        unsafe { dot_6x64(steps, a, b, (c, ldc), from, TileOut::F32) }
-    }
-
-    unsafe fn tile_from_row(
-        self,
-        steps: usize,
-        a: *const u32,
-        b: *const u32,
-        c: *mut f32,
-        ldc: usize,
-        row: *const f32,
-    ) {
-        // SAFETY: as above.
-        unsafe { dot_6x64(steps, a, b, (c, ldc), TileFrom::Row(row), TileOut::F32) }
-    }
-
-    unsafe fn tile_to_half<H: HalfC>(
-        self,
-        steps: usize,
-        a: *const u32,
-        b: *const u32,
-        c: (*mut f32, usize),
-        from: TileFrom,
-        (out, ldo): (*mut H, usize),
-    ) {
-        let out = TileOut::Half { ptr: out.cast(), ldo, bf16: H::BF16 };
-        // SAFETY: as above.
-        unsafe { dot_6x64(steps, a, b, c, from, out) }
-    }
-}
+register_kernel!(FmaAvx2, Isa::Avx2, f32, F32_6X16, fma_6x16);
+register_kernel!(FmaAvx512, Isa::Avx512, f32, F32_6X64, fma_6x64);
+register_kernel!(DotAvx512Bf16, Isa::Avx512Bf16, u32, PAIRS_6X64, dot_6x64);
 
 /// Where a tile's sums go: back to the f32 tile at `c`, or rounded into half-precision C.
 #[derive(Clone, Copy)]
