@@ -2,9 +2,10 @@
 //!
 //! Every shape runs every contender interleaved (A, B, C, ... per round) on a 2-thread rayon pool;
 //! each row is the median of its rounds. "peak" is what the same binary measures for a loop of the
-//! instruction on independent accumulators (AMX `tdpbf16ps`, `vdpbf16ps` and the widest f32 FMA), timed between shapes
-//! so that it sees the same neighbours. Shapes: squares 256..4096, the main job's and a BERT-base
-//! layer's products (forward, and both backward products), and skinny products (m = 16, 64).
+//! instruction on independent accumulators (AMX `tdpbf16ps`, `vdpbf16ps` and the widest f32 FMA), timed
+//! before each round so that it sees the same neighbours; a shape's "% of peak" is of its own rounds'
+//! peaks. Shapes: squares 256..4096, the main job's and a BERT-base layer's products (forward, and both
+//! backward products), and skinny products (m = 16, 64).
 //!
 //! Layouts are training's: forward `x·W^T` reads the weight `(out, in)` in place (B transposed),
 //! `dX = dY·W` reads both row-major, `dW = dY^T·X` reads A transposed. amp's bf16 and f16 rows write
@@ -225,9 +226,9 @@ impl Contender {
 
 fn run(shapes: Vec<Shape>) {
     println!("GEMM bench: 2 threads, {}", cpu_line());
-    let mut peaks = peak::Peaks::default();
-    peaks.measure();
-    println!("{peaks}");
+    let mut first = peak::Peaks::default();
+    first.measure();
+    println!("{first}");
     let mut torch = TorchPeer::from_env();
     if let Some(peer) = &torch {
         println!("peer: {} on 2 threads, in a child process that times each product itself", peer.version);
@@ -288,7 +289,7 @@ fn run(shapes: Vec<Shape>) {
             }
             None
         };
-        let times = timing::interleaved(contenders.len(), |i| call(contenders[i]), &mut peaks);
+        let (times, peaks) = timing::interleaved(contenders.len(), |i| call(contenders[i]));
         println!("\n{} (m {}, k {}, n {}): {:.2} GFLOP", s.name, s.m, s.k, s.n, dims.flops() / 1e9);
         let rows: Vec<timing::Row> = contenders
             .iter()
@@ -296,9 +297,9 @@ fn run(shapes: Vec<Shape>) {
             .map(|(c, t)| timing::Row { name: c.name(), seconds: median(&t), peak: c.peak() })
             .collect();
         timing::print(&rows, dims.flops(), &peaks);
-        summary.add(&s.name, dims.flops(), rows);
+        summary.add(&s.name, dims.flops(), rows, &peaks);
     }
-    summary.print(&peaks);
+    summary.print();
 }
 
 fn cpu_line() -> String {

@@ -13,8 +13,11 @@ const BUDGET_S: f64 = 0.6;
 /// Times `call(0..n)` round-robin on the shared harness: a warm-up round (dropped) that also sizes the
 /// run, then 3 to 15 rounds (as many as fit the budget), a peak sample before each. A call that returns
 /// a time (a peer in another process, timed there) is kept at that time. Returns every contender's kept
-/// times in seconds.
-pub fn interleaved(n: usize, mut call: impl FnMut(usize) -> Option<f64>, peaks: &mut Peaks) -> Vec<Vec<f64>> {
+/// times in seconds, and the peaks sampled between these rounds: the shape's "% of peak" is of what the
+/// CPU could do in the same seconds (measured: a run's first shapes saw 128-146 GFLOP/s of ymm FMA where
+/// its later ones saw 184, and an 18-shape median made a product 115% of its peak).
+pub fn interleaved(n: usize, mut call: impl FnMut(usize) -> Option<f64>) -> (Vec<Vec<f64>>, Peaks) {
+    let mut peaks = Peaks::default();
     let mut harness = Interleaved::new(n, 1);
     let start = Instant::now();
     let mut warm = harness.round();
@@ -30,7 +33,7 @@ pub fn interleaved(n: usize, mut call: impl FnMut(usize) -> Option<f64>, peaks: 
             round.time_unless_reported(|| call(i));
         }
     }
-    (0..n).map(|i| harness.seconds(i).to_vec()).collect()
+    ((0..n).map(|i| harness.seconds(i).to_vec()).collect(), peaks)
 }
 
 /// One contender's median on one shape.
@@ -54,6 +57,7 @@ impl Row {
 
 pub fn print(rows: &[Row], flops: f64, peaks: &Peaks) {
     let candle = rows.iter().find(|r| r.name == "candle f32").map(|r| r.seconds);
+    println!("  peaks in these rounds: {}", peaks.brief());
     println!(
         "  {:<34} {:>9} {:>9} {:>12} {:>13}",
         "contender", "ms", "GFLOP/s", "% of peak", "vs candle f32"
@@ -76,15 +80,25 @@ pub fn print(rows: &[Row], flops: f64, peaks: &Peaks) {
 #[derive(Default)]
 pub struct Summary {
     shapes: Vec<(String, f64, Vec<Row>)>,
+    /// The peaks sampled in the 2048^3 shape's rounds.
+    peaks_2048: Peaks,
+    /// Every shape's peak samples.
+    all_peaks: Peaks,
 }
 
 impl Summary {
-    pub fn add(&mut self, shape: &str, flops: f64, rows: Vec<Row>) {
+    /// Adds a shape's rows and the peaks sampled in its rounds.
+    pub fn add(&mut self, shape: &str, flops: f64, rows: Vec<Row>, peaks: &Peaks) {
+        if shape == "2048^3" {
+            self.peaks_2048 = peaks.clone();
+        }
+        self.all_peaks.absorb(peaks);
         self.shapes.push((shape.to_string(), flops, rows));
     }
 
-    pub fn print(&self, peaks: &Peaks) {
-        println!("\n{peaks}");
+    pub fn print(&self) {
+        println!("\nover the whole run: {}", self.all_peaks);
+        let peaks = &self.peaks_2048;
         println!("goals (issue #12), medians of this run:");
         let find =
             |rows: &[Row], prefix: &str| rows.iter().find(|r| r.name.starts_with(prefix)).map(|r| r.seconds);
