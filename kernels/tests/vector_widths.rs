@@ -35,6 +35,8 @@ fn outputs() -> Vec<Vec<u32>> {
             (GemmPath::Portable, Compute::F32),
             (GemmPath::Portable, Compute::Bf16),
             (GemmPath::Portable, Compute::F16),
+            (GemmPath::Avx512Model, Compute::F32),
+            (GemmPath::Avx512Model, Compute::F16),
             (GemmPath::Avx512Bf16Model, Compute::Bf16),
             (GemmPath::AmxBf16Model, Compute::Bf16),
         ] {

@@ -173,6 +173,7 @@ fn run_job(path: GemmPath, job: Job<'_>) {
     }
     match path {
         GemmPath::Portable => job.run(micro::FmaPortable),
+        GemmPath::Avx512Model => job.run(micro::FmaWideModel),
         GemmPath::Avx512Bf16Model => job.run(micro::DotModel),
         GemmPath::AmxBf16Model => job.run(micro::TileModel),
         #[cfg(target_arch = "x86_64")]

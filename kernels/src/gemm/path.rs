@@ -39,6 +39,9 @@ pub enum GemmPath {
     Avx512Bf16Model,
     /// f32 FMA on zmm registers, 6 x 64 tiles; half operands widened while packing.
     Avx512,
+    /// The [`GemmPath::Avx512`] algorithm (same packing, blocking, tiles and threading) with portable
+    /// fused multiply-adds in the same order: bit-identical results on any CPU. Slow; for tests.
+    Avx512Model,
     /// f32 FMA on ymm registers, 6 x 16 tiles; half operands widened while packing.
     Avx2,
     /// f32 fused multiply-adds in plain Rust, 6 x 16 tiles: bit-identical to [`GemmPath::Avx2`] and
@@ -48,12 +51,13 @@ pub enum GemmPath {
 
 impl GemmPath {
     /// Every path, fastest first.
-    pub const ALL: [GemmPath; 7] = [
+    pub const ALL: [GemmPath; 8] = [
         GemmPath::AmxBf16,
         GemmPath::Avx512Bf16,
         GemmPath::Avx512,
         GemmPath::Avx2,
         GemmPath::Portable,
+        GemmPath::Avx512Model,
         GemmPath::Avx512Bf16Model,
         GemmPath::AmxBf16Model,
     ];
@@ -93,7 +97,10 @@ impl GemmPath {
             GemmPath::Avx512Bf16 => Isa::Avx512Bf16,
             GemmPath::Avx512 => Isa::Avx512,
             GemmPath::Avx2 => Isa::Avx2,
-            GemmPath::Portable | GemmPath::Avx512Bf16Model | GemmPath::AmxBf16Model => Isa::Portable,
+            GemmPath::Portable
+            | GemmPath::Avx512Model
+            | GemmPath::Avx512Bf16Model
+            | GemmPath::AmxBf16Model => Isa::Portable,
         }
     }
 
@@ -140,6 +147,7 @@ impl fmt::Display for GemmPath {
             GemmPath::Avx512Bf16 => "avx512-bf16 (vdpbf16ps)",
             GemmPath::Avx512Bf16Model => "avx512-bf16 software model",
             GemmPath::Avx512 => "avx512 f32 fma",
+            GemmPath::Avx512Model => "avx512 f32 software model",
             GemmPath::Avx2 => "avx2 f32 fma",
             GemmPath::Portable => "portable f32 fma",
         })
@@ -164,12 +172,20 @@ mod tests {
     }
 
     #[test]
-    fn the_models_run_everywhere_but_only_for_bf16_products() {
+    fn the_bf16_models_run_everywhere_but_only_for_bf16_products() {
         for model in [GemmPath::Avx512Bf16Model, GemmPath::AmxBf16Model] {
             assert!(model.check(Compute::Bf16).is_ok());
             let err = model.check(Compute::F32).unwrap_err();
             assert!(err.to_string().contains("bf16 pairs only"), "{err}");
         }
+    }
+
+    #[test]
+    fn the_zmm_fma_model_runs_everywhere_for_every_compute() {
+        for compute in [Compute::F32, Compute::F16, Compute::Bf16] {
+            assert!(GemmPath::Avx512Model.check(compute).is_ok());
+        }
+        assert!(!GemmPath::Avx512Model.is_bf16_dot());
     }
 
     #[test]

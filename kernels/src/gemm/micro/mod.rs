@@ -21,7 +21,7 @@ mod x86;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use amx::{peak_loop as tile_peak_loop, TileAmx};
-pub(crate) use portable::{DotModel, FmaPortable, TileModel};
+pub(crate) use portable::{DotModel, FmaPortable, FmaWideModel, TileModel};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{DotAvx512Bf16, FmaAvx2, FmaAvx512};
 
@@ -76,7 +76,6 @@ const ZMM_MC: usize = 288;
 pub(crate) const F32_6X16: Blocking =
     Blocking { mr: 6, nr: 16, k_per_step: 1, kc: 256, mc: 96, nc: 256, a_group: 1, prefetch_next_b: true };
 /// 6 x 64 f32 tiles (four zmm per row): a k-block's B micro-panel is 128 KiB.
-#[cfg(target_arch = "x86_64")]
 pub(crate) const F32_6X64: Blocking = Blocking {
     mr: 6,
     nr: 64,

@@ -1,12 +1,19 @@
-//! Micro-kernels in plain Rust: f32 FMA chains, and the software models of the `vdpbf16ps` and AMX
-//! kernels.
+//! Micro-kernels in plain Rust: f32 FMA chains, and the software models of the zmm FMA, `vdpbf16ps`
+//! and AMX kernels.
 
-use super::{Blocking, Micro, AMX_32X32, F32_6X16, PAIRS_6X64};
+use super::{Blocking, Micro, AMX_32X32, F32_6X16, F32_6X64, PAIRS_6X64};
 use crate::gemm::dpbf16::{dpbf16_pair, tdpbf16_pair};
 
 /// f32 fused multiply-adds, 6 x 16 tiles (LLVM vectorises the 16 columns where it can).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct FmaPortable;
+
+/// The zmm FMA kernel's algorithm ([`super::FmaAvx512`]: 6 x 64 tiles, its k-blocks and blocks of
+/// rows, no prefetch of the next B micro-panel) with portable fused multiply-adds: the same FMA chains
+/// in the same order, so bit-identical to it (and to [`FmaPortable`]). It tests that path's packing,
+/// blocking and edges on a CPU without AVX-512.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FmaWideModel;
 
 /// The `vdpbf16ps` kernel's algorithm with each instruction replaced by [`dpbf16_pair`]: same packing,
 /// tiles and blocking as [`super::DotAvx512Bf16`], bit-identical results.
@@ -65,6 +72,16 @@ impl Micro for FmaPortable {
     unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
         // SAFETY: forwarded from the caller.
         unsafe { tile_with::<f32, 6, 16>(steps, a, b, c, ldc, load, |acc, a, b| a.mul_add(b, acc)) }
+    }
+}
+
+impl Micro for FmaWideModel {
+    type Packed = f32;
+    const B: Blocking = F32_6X64;
+
+    unsafe fn tile(self, steps: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
+        // SAFETY: forwarded from the caller.
+        unsafe { tile_with::<f32, 6, 64>(steps, a, b, c, ldc, load, |acc, a, b| a.mul_add(b, acc)) }
     }
 }
 
