@@ -15,7 +15,7 @@
 use half::{bf16, f16};
 
 use super::prefetch;
-use super::row_load::Load;
+use super::row_load::{convert_run, Load};
 use super::transpose::{transpose, transpose_rows};
 use super::Compute;
 use crate::branchless as bits;
@@ -167,9 +167,7 @@ impl PackInto for f32 {
 
     #[inline(always)]
     fn from_run<S: Source>(run: &[S], compute: Compute, out: &mut [f32]) {
-        for (out, &x) in out.iter_mut().zip(run) {
-            *out = x.rounded(compute);
-        }
+        convert_run(run, compute, out);
     }
 
     #[inline(always)]
@@ -183,10 +181,7 @@ impl PackInto for f32 {
     ) {
         let run = &src[lines.base + s * lines.k_stride..][..lines.count];
         if stride == 1 {
-            // Contiguous: a loop that vectorises.
-            for (out, &x) in out.iter_mut().zip(run) {
-                *out = x.rounded(compute);
-            }
+            convert_run(run, compute, out);
             return;
         }
         for (out, &x) in out.iter_mut().step_by(stride).zip(run) {

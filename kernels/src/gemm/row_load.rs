@@ -6,10 +6,12 @@
 //! then transposed out of it: on an AVX2-only CPU (AMD Zen 3) the bf16 main job spent about 2% of its
 //! samples more than fp32's in that packing.
 //!
-//! Each load writes what [`super::pack::Source::rounded`] writes for the element, bit for bit (NaN
-//! payloads and signs included; the test below loads every 16-bit pattern, and special values, the
-//! roundings' edges and 100,000 random patterns of f32).
+//! [`convert_run`] converts a whole run with the same loads (packing's runs of contiguous lines and its
+//! tiles' rows). Each load writes what [`super::pack::Source::rounded`] writes for the element, bit for
+//! bit (NaN payloads and signs included; the tests below load every 16-bit pattern, and special values,
+//! the roundings' edges and 100,000 random patterns of f32, as eights and as runs).
 
+use super::pack::Source;
 use super::Compute;
 
 /// A conversion from a run of operand elements to panel words.
@@ -44,6 +46,32 @@ impl Load {
             Load::Words | Load::F32ToBf16 | Load::F32ToF16 => 4,
             Load::Bf16ToF32 | Load::F16ToF32 => 2,
         }
+    }
+}
+
+/// `out[i] = run[i].rounded(compute)` for the run (up to the shorter length): eight at a time through
+/// a register load where one converts and the loops may use AVX2 ([`crate::vectorise::allows`]; F16C
+/// comes with it), the rest element by element. Packing's runs of contiguous lines (an operand read
+/// transposed: weight gradients) and its tiles' rows convert with it: where `f16` widens or `f32`
+/// rounds to `f16`, F16C's one instruction does what the portable bit arithmetic does in about ten
+/// (on a Zen 3, the fp16 main job's weight-gradient packing took a fifth fewer samples, and its step
+/// went from 0.97-0.99x of fp32's speed to 0.99-1.01x, three alternated rounds each).
+#[inline(always)]
+pub(crate) fn convert_run<S: Source>(run: &[S], compute: Compute, out: &mut [f32]) {
+    let len = run.len().min(out.len());
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if len >= 8 {
+        let load = S::register_load(compute, 1).filter(|&load| load != Load::Words);
+        if let Some(load) = load.filter(|_| crate::vectorise::allows(crate::Isa::Avx2)) {
+            // SAFETY: the CPU has AVX2 and F16C (`allows`); `run` holds `len` elements of the type the
+            // load reads (`register_load` of `S`), `out` `len` floats.
+            done = unsafe { x86::convert(load, run.as_ptr().cast(), len, out.as_mut_ptr()) };
+        }
+    }
+    for (out, &x) in out[done..len].iter_mut().zip(&run[done..len]) {
+        *out = x.rounded(compute);
     }
 }
 
@@ -138,6 +166,38 @@ pub(crate) mod x86 {
             unsafe { _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128(at.cast()))) }
         }
     }
+
+    /// Converts the leading multiple of eight of `len` elements at `src` by `load` into `out`; returns
+    /// how many.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; `src` readable for `len` elements of the load's source type, `out` writable for
+    /// `len` floats.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(crate) unsafe fn convert(load: super::Load, src: *const u8, len: usize, out: *mut f32) -> usize {
+        use super::Load;
+        // SAFETY (each): as the caller guarantees.
+        unsafe {
+            match load {
+                Load::Words => run::<Words>(src, 4, len, out),
+                Load::F32ToBf16 => run::<F32ToBf16>(src, 4, len, out),
+                Load::F32ToF16 => run::<F32ToF16>(src, 4, len, out),
+                Load::Bf16ToF32 => run::<Bf16ToF32>(src, 2, len, out),
+                Load::F16ToF32 => run::<F16ToF32>(src, 2, len, out),
+            }
+        }
+    }
+
+    /// [`convert`] by `E`, whose elements are `bytes` wide.
+    #[inline(always)]
+    unsafe fn run<E: Eight>(src: *const u8, bytes: usize, len: usize, out: *mut f32) -> usize {
+        let whole = len / 8 * 8;
+        for i in (0..whole).step_by(8) {
+            // SAFETY: elements i..i + 8 lie inside both (caller); AVX2 and F16C (caller).
+            unsafe { _mm256_storeu_si256(out.add(i).cast(), E::load(src.add(i * bytes))) };
+        }
+        whole
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
@@ -145,7 +205,7 @@ mod tests {
     use half::{bf16, f16};
 
     use super::x86::{Bf16ToF32, Eight, F16ToF32, F32ToBf16, F32ToF16, Words};
-    use super::Load;
+    use super::{convert_run, Load};
     use crate::gemm::pack::Source;
     use crate::gemm::Compute;
 
@@ -212,6 +272,41 @@ mod tests {
             [Compute::F32, Compute::Bf16, Compute::F16].map(Load::from_f32),
             [Load::Words, Load::F32ToBf16, Load::F32ToF16]
         );
+    }
+
+    #[test]
+    fn runs_convert_as_packing_rounds_each_element() {
+        let bits = f32_bits();
+        let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        let xb: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let xh: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        for compute in [Compute::F32, Compute::Bf16, Compute::F16] {
+            converted_runs(&x, compute);
+            converted_runs(&xb, compute);
+            converted_runs(&xh, compute);
+        }
+    }
+
+    /// [`convert_run`] of all of `src`, and of short runs of every length to 33 from a few offsets
+    /// (the eights and the tail), against `Source::rounded` of each element; an output longer than the
+    /// run keeps its tail.
+    fn converted_runs<S: Source + std::fmt::Debug>(src: &[S], compute: Compute) {
+        let mut out = vec![0.0f32; src.len()];
+        convert_run(src, compute, &mut out);
+        let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+        assert_same(&format!("a run for {compute:?}"), &got, src, |v| v.rounded(compute));
+        for len in 0..=33 {
+            for offset in 0..3 {
+                let run = &src[offset * 1000..][..len];
+                let mut out = vec![f32::from_bits(0xDEAD_BEEF); len + 5];
+                convert_run(run, compute, &mut out);
+                let got: Vec<u32> = out[..len].iter().map(|v| v.to_bits()).collect();
+                assert_same(&format!("{len} from {offset} for {compute:?}"), &got, run, |v| {
+                    v.rounded(compute)
+                });
+                assert!(out[len..].iter().all(|v| v.to_bits() == 0xDEAD_BEEF), "wrote past the run");
+            }
+        }
     }
 
     /// Each loaded word against `want` of its element, naming the first that differs.
