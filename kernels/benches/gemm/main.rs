@@ -228,7 +228,7 @@ fn run(shapes: Vec<Shape>) {
     println!("GEMM bench: 2 threads, {}", cpu_line());
     let mut first = peak::Peaks::default();
     first.measure();
-    println!("{first}");
+    println!("peaks before the first shape: {}", first.brief());
     let mut torch = TorchPeer::from_env();
     if let Some(peer) = &torch {
         println!("peer: {} on 2 threads, in a child process that times each product itself", peer.version);

@@ -95,7 +95,8 @@ impl Peaks {
         let named = [("AMX tdpbf16ps", self.of(Peak::Tile)), ("vdpbf16ps", self.bf16()), (fma, self.fma())];
         let shown: Vec<String> =
             named.iter().filter_map(|(name, g)| g.map(|g| format!("{name} {g:.0}"))).collect();
-        format!("{} GFLOP/s ({} samples)", shown.join(", "), self.fma.len())
+        let samples = self.fma.len();
+        format!("{} GFLOP/s ({samples} sample{})", shown.join(", "), if samples == 1 { "" } else { "s" })
     }
 }
 
