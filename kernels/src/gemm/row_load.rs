@@ -221,6 +221,7 @@ mod tests {
             0x7F7F_8000, 0x7F7F_7FFF, 0x0000_8000, 0x3F80_8000, 0x3F81_8000,
             0x477F_EFFF, 0x477F_F000, 0x3880_0000, 0x3300_0000, 0x3300_0001,
             0x0000_0001, 0x8000_0001, 0x7F80_0001, 0xFFC0_0001, 0x7FBF_FFFF, 0x7FC0_0000,
+            0xFFFF_8000, 0xFFFF_FFFF,
         ];
         let mut state = 0x0123_4567u32;
         let randoms = (0..100_000).map(|_| {
