@@ -11,7 +11,8 @@
 //!   process, [`dot_product_speedup`]; bf16 products, k-pairs interleaved while packing), f32 FMA on zmm (AVX-512) or ymm (AVX2) registers with half operands widened while packing,
 //!   a portable f32 path, and [`GemmPath::Avx512Bf16Model`], a bit-exact software model of the
 //!   `vdpbf16ps` path that runs on any CPU, so its packing, interleaving, blocking, edges and threading
-//!   are tested everywhere ([`GemmPath::Avx512Model`] does the same for the zmm FMA path). f16 always computes through f32: no CPU here multiplies f16 quickly.
+//!   are tested everywhere ([`GemmPath::Avx512Model`] does the same for the zmm FMA path). f16 always
+//!   computes through f32: no CPU here multiplies f16 quickly.
 //! - **Structure.** Both operands are packed once per call into panels (reusable per-thread buffers: a
 //!   call allocates only when a product is larger than any before it on that thread), then blocks of C
 //!   run in parallel on the current rayon pool, each through a register-blocked micro-kernel. bf16
