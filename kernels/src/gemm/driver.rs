@@ -313,7 +313,8 @@ impl<'a> Job<'a> {
         // at a time, likewise (a Linear's products have n <= 256 when its output or input is 256 wide:
         // A, the activations or their gradient, is then the large operand). On a Zen 3, main job,
         // alternated with A packed whole first, five rounds: fp32 and bf16 steps 0.94-1.01x the time
-        // (median 0.97x), weight-gradient products +3-6%. Not under a triangle, whose panels skip steps.
+        // (median 0.97x); the GEMM bench's weight-gradient products +3-6% (one quiet before/after pair).
+        // Not under a triangle, whose panels skip steps.
         let a_per_block = !b_per_block && n_blocks == 1 && self.triangle == Triangle::Full;
         let (mut a_words, mut b_words) = PACKED.take();
         let a_len = if a_per_block { 0 } else { batch * m.div_ceil(M::B.mr) * steps * M::B.mr };
