@@ -172,8 +172,8 @@ pub fn ranks_json(runs: &[Run], ranks: &[Vec<RankRun>]) -> serde_json::Value {
 pub fn launch(
     wire: Wire,
     batch: usize,
-    job: impl FnOnce(Group<'_>) -> Result<(), Box<dyn std::error::Error>>,
-) -> Result<(), Box<dyn std::error::Error>> {
+    job: impl FnOnce(Group<'_>) -> Result<(), Box<dyn std::error::Error + Send + Sync>>,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     use_local_share_of_cores();
     let refused = {
         let comm = Mpi::init()?;

@@ -111,14 +111,24 @@ pub fn set_override(new: Override) -> crate::Result<Override> {
 /// As [`set_override`]; `f` does not run then.
 pub fn with_override<R>(over: Override, f: impl FnOnce() -> R) -> crate::Result<R> {
     validate(over)?;
+    Ok(with_scoped(Some(over), f))
+}
+
+/// The override scoped on this thread ([`with_override`]), if any.
+pub(crate) fn scoped_override() -> Option<Override> {
+    SCOPED.get()
+}
+
+/// Runs `f` with `scoped` as this thread's scoped override (none: the process's holds), restored after.
+pub(crate) fn with_scoped<R>(scoped: Option<Override>, f: impl FnOnce() -> R) -> R {
     struct Restore(Option<Override>);
     impl Drop for Restore {
         fn drop(&mut self) {
             SCOPED.set(self.0);
         }
     }
-    let _restore = Restore(SCOPED.replace(Some(over)));
-    Ok(f())
+    let _restore = Restore(SCOPED.replace(scoped));
+    f()
 }
 
 /// The override in force on this thread: its scoped one ([`with_override`]), else the process's.
