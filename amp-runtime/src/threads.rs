@@ -76,15 +76,16 @@ pub fn single_candle_thread() -> CandleThreads {
 /// default), where `main` has 8 MiB (Linux's default). Only the pages a thread touches are committed.
 pub const POOL_STACK_BYTES: usize = 64 << 20;
 
-/// Runs `work` on a thread of a new rayon pool (as many threads as rayon's global pool would have:
-/// `RAYON_NUM_THREADS`, else one a core; stacks of [`POOL_STACK_BYTES`]) and returns what it returns,
-/// so that the parallel ops inside it (amp's GEMM, kernels and optimizers) fork from a thread of the
-/// pool instead of waking it from outside at every op (see the module's documentation). Called from a
-/// thread of a rayon pool already, runs `work` right there. The dispatch override scoped on the calling
-/// thread ([`crate::dispatch::with_override`]) holds inside `work` too; other thread-local state (a
-/// [`crate::cast_cache::CastCache`]) stays with the calling thread. A panic in `work` reaches the caller.
-/// Where the pool cannot start (no thread could be spawned), `work` runs on the calling thread, with a
-/// warning logged.
+/// Runs `work` on a thread of amp's rayon pool and returns what it returns, so that the parallel ops
+/// inside it (amp's GEMM, kernels and optimizers) fork from a thread of the pool instead of waking it
+/// from outside at every op (see the module's documentation). The pool starts at the first call and
+/// serves every later one: as many threads as rayon's global pool would have (`RAYON_NUM_THREADS`,
+/// else one a core), stacks of [`POOL_STACK_BYTES`]. Called from a thread of a rayon pool already,
+/// runs `work` right there. The dispatch override scoped on the calling thread
+/// ([`crate::dispatch::with_override`]) holds inside `work` too; other thread-local state (a
+/// [`crate::cast_cache::CastCache`]) stays with the calling thread. A panic in `work` reaches the
+/// caller. Where the pool cannot start (no thread could be spawned), `work` runs on the calling
+/// thread, with a warning logged once.
 ///
 /// ```
 /// let loss = amp_runtime::threads::run_on_rayon_pool(|| {
@@ -98,20 +99,29 @@ pub fn run_on_rayon_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() {
         return work();
     }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .stack_size(POOL_STACK_BYTES)
-        .thread_name(|i| format!("amp-rayon-{i}"))
-        .build();
-    match pool {
-        Ok(pool) => {
+    match amp_pool() {
+        Some(pool) => {
             let scoped = crate::dispatch::scoped_override();
             pool.install(|| crate::dispatch::with_scoped(scoped, work))
         }
-        Err(error) => {
-            tracing::warn!(%error, "amp: no rayon pool could start; training on the calling thread");
-            work()
-        }
+        None => work(),
     }
+}
+
+/// [`run_on_rayon_pool`]'s pool, started at the first call (`None` if it could not start).
+fn amp_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .stack_size(POOL_STACK_BYTES)
+            .thread_name(|i| format!("amp-rayon-{i}"))
+            .build();
+        pool.map_err(|error| {
+            tracing::warn!(%error, "amp: no rayon pool could start; training on the calling thread");
+        })
+        .ok()
+    })
+    .as_ref()
 }
 
 /// Whether a thread of candle's pool (named `candle-bp-<n>`) exists in this process. Linux only; `false`
@@ -131,7 +141,7 @@ mod tests {
     use candle_core::{Device, Var};
 
     #[test]
-    fn work_runs_on_a_pool_thread_whose_ops_fork_there() {
+    fn work_runs_on_one_pool_call_after_call_and_its_ops_fork_there() {
         let caller = std::thread::current().id();
         let (on_pool, name, same_thread) = run_on_rayon_pool(|| {
             let me = std::thread::current().id();
@@ -146,6 +156,17 @@ mod tests {
         assert!(on_pool && same_thread);
         assert!(name.as_deref().is_some_and(|n| n.starts_with("amp-rayon-")), "{name:?}");
         assert_eq!(std::thread::current().id(), caller);
+        // Every call runs on the same pool.
+        let pools: Vec<Vec<_>> = (0..2)
+            .map(|_| {
+                run_on_rayon_pool(|| {
+                    let mut ids = rayon::broadcast(|_| std::thread::current().id());
+                    ids.sort_by_key(|id| format!("{id:?}"));
+                    ids
+                })
+            })
+            .collect();
+        assert_eq!(pools[0], pools[1]);
         // From a thread of a pool, it runs right there.
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         let (outer, inner) =
