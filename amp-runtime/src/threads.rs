@@ -22,8 +22,8 @@
 //! done: a thread wakes and another sleeps at every op, hundreds of times a step. Called from a thread
 //! of the pool, the op forks there and that thread takes a share itself. Measured on the main job,
 //! which runs that way (2 cores, Zen 3; 2026-12-05; alternated with the build before, 11 pairs of
-//! runs): fp32, bf16 and fp16 steps 0.87-1.01x the time, median 0.95x; the kernel's scheduler
-//! functions from 9% of the samples to 6%.
+//! runs): fp32, bf16 and fp16 steps 0.87-1.01x the time, median 0.95x; the operating system's share
+//! of the samples from 9% to 6% (its scheduler's from about 4% to 2%).
 
 /// candle's variable for the size of its pool (read once, when the pool starts).
 pub const CANDLE_THREADS_VARIABLE: &str = "CANDLE_NUM_THREADS";
