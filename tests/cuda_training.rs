@@ -285,3 +285,37 @@ fn deferred_adam_counts_its_steps_on_the_device() -> amp::Result<()> {
     assert_eq!((report.step, adam.steps()?), (6, 5));
     Ok(())
 }
+
+/// Under the padding policy a bf16 product of n = 1001 runs on operands padded to n = 1008 and gives
+/// the unpadded product's values and both gradients, up to a bf16 rounding where cuBLAS's kernel for
+/// the padded shape sums in another order. The policy is process-wide: a test running meanwhile may
+/// see its products padded, which changes nothing it asserts.
+#[test]
+fn padded_products_on_cuda_match_the_unpadded_ones() -> amp::Result<()> {
+    let Some(cuda) = gpu() else { return Ok(()) };
+    let (m, k, n) = (64, 96, 1001);
+    let operand = |seed, shape: &[usize]| -> amp::Result<Tensor> {
+        Ok(common::randn_in(seed, shape, 1.0, DType::BF16)?.to_dtype(DType::F32)?.to_device(&cuda)?)
+    };
+    let (a, b, dc) = (operand(1, &[m, k])?, operand(2, &[k, n])?, operand(3, &[m, n])?);
+    let run = |pad: bool| -> amp::Result<[Tensor; 3]> {
+        let before = amp::dispatch::pad_for_tensor_cores(pad);
+        let choice = amp::dispatch::explain(&cuda, Precision::Bf16, amp::dispatch::Dims::new(m, n, k));
+        let (va, vb) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
+        let c = amp::ops::matmul_to(&va, &vb, Precision::Bf16, DType::F32);
+        amp::dispatch::pad_for_tensor_cores(before);
+        let want = pad.then_some(amp::dispatch::Dims::new(m, 1008, k));
+        assert_eq!(choice.padded, want, "{choice}");
+        let c = c?;
+        let grads = (&c * &dc)?.sum_all()?.backward()?;
+        let grad = |v: &Var| grads.get(v).expect("a gradient").clone();
+        Ok([c.clone(), grad(&va), grad(&vb)])
+    };
+    let (plain, padded) = (run(false)?, run(true)?);
+    for (what, got, want) in
+        [("C", &padded[0], &plain[0]), ("dA", &padded[1], &plain[1]), ("dB", &padded[2], &plain[2])]
+    {
+        common::assert_close(what, got, want, common::tolerance(DType::BF16, 1, 1.0))?;
+    }
+    Ok(())
+}

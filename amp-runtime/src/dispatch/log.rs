@@ -1,4 +1,4 @@
-//! One debug line per new (device, shape, precision, choice).
+//! One debug line per new (device, shape, precision, choice, padding).
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -9,7 +9,7 @@ use candle_core::Device;
 use super::{Choice, MatmulKernel};
 use crate::Precision;
 
-type Key = (bool, Dims, Precision, MatmulKernel);
+type Key = (bool, Dims, Precision, MatmulKernel, Option<Dims>);
 
 static SEEN: Mutex<Option<HashSet<Key>>> = Mutex::new(None);
 
@@ -18,7 +18,7 @@ pub(super) fn once(device: &Device, precision: Precision, dims: Dims, choice: &C
     if !tracing::enabled!(target: "amp::dispatch", tracing::Level::DEBUG) {
         return;
     }
-    let key = (device.is_cpu(), dims, precision, choice.kernel);
+    let key = (device.is_cpu(), dims, precision, choice.kernel, choice.padded);
     let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if seen.get_or_insert_with(HashSet::new).insert(key) {
         tracing::debug!(

@@ -8,8 +8,10 @@
 //!
 //! On CUDA, products run on cuBLAS through candle, with f32 accumulation for f16 and bf16 (candle's
 //! "reduced precision" switches off; [`cuda_gemm_settings`]) and TF32 for f32 only when a policy asks.
-//! Tensor cores take their fastest route when m, n and k are multiples of 8 ([`tensor_core_shape`]; a
-//! padding policy pads a dimension to the next multiple, [`tensor_core_padding`] says what it costs).
+//! Tensor cores take their fastest route when m, n and k are multiples of 16 bytes of the operands
+//! ([`tensor_core_step`]: 8 halves, 4 floats under TF32); the opt-in padding policy
+//! ([`pad_for_tensor_cores`]) runs other products on zero-padded operands where that adds at most an
+//! eighth to their work, and [`explain`] says which route a shape takes and what padding it would cost.
 //! [`crate::cuda::prepare`] applies these settings; [`allow_tf32`] is the TF32 opt-in.
 //!
 //! [`explain`] returns the choice with its reason; a debug log line (`tracing`, target
@@ -21,7 +23,10 @@ mod cuda;
 mod log;
 
 pub use amp_kernels::gemm::{Compute, Dims, GemmPath};
-pub use cuda::{allow_tf32, cuda_gemm_settings, tensor_core_padding, tensor_core_shape, CudaGemmSettings};
+pub use cuda::{
+    allow_tf32, cuda_gemm_settings, pad_for_tensor_cores, pads_for_tensor_cores, tensor_core_padding,
+    tensor_core_shape, tensor_core_step, CudaGemmSettings, MAX_PADDING_EXTRA,
+};
 
 use std::cell::Cell;
 use std::fmt;
@@ -56,6 +61,9 @@ pub struct Choice {
     pub kernel: MatmulKernel,
     /// Why, in a sentence.
     pub reason: String,
+    /// The sizes the product runs at when its operands are zero-padded for the tensor cores (on CUDA,
+    /// under [`pad_for_tensor_cores`]); `None`: at its own.
+    pub padded: Option<Dims>,
 }
 
 impl fmt::Display for Choice {
@@ -156,7 +164,12 @@ pub fn explain(device: &Device, precision: Precision, dims: Dims) -> Choice {
 /// [`explain`] under an explicit override (what the unit tests drive).
 #[must_use]
 pub fn choose(device: &Device, precision: Precision, dims: Dims, over: Override) -> Choice {
-    let choice = decide(device, precision, over);
+    let choice = if device.is_cpu() {
+        cpu_choice(precision, over)
+    } else {
+        let tf32 = candle_core::cuda::gemm_reduced_precision_f32();
+        cuda::cuda_choice(precision, dims, CudaGemmSettings::for_policy(tf32), pads_for_tensor_cores())
+    };
     log::once(device, precision, dims, &choice);
     choice
 }
@@ -164,26 +177,21 @@ pub fn choose(device: &Device, precision: Precision, dims: Dims, over: Override)
 /// Whether a product in `precision` on `device` runs on amp's GEMM under the current override (no log
 /// line: what a layer asks before it picks the operands it hands the product).
 pub(crate) fn runs_on_amp_gemm(device: &Device, precision: Precision) -> bool {
-    matches!(decide(device, precision, current_override()).kernel, MatmulKernel::Amp(_))
+    device.is_cpu() && matches!(cpu_choice(precision, current_override()).kernel, MatmulKernel::Amp(_))
 }
 
-fn decide(device: &Device, precision: Precision, over: Override) -> Choice {
+fn cpu_choice(precision: Precision, over: Override) -> Choice {
     let compute = compute_of(precision);
-    if !device.is_cpu() {
-        let settings = CudaGemmSettings::for_policy(false);
-        return Choice {
-            kernel: MatmulKernel::Candle,
-            reason: format!("not a CPU device: cuBLAS through candle, {settings}"),
-        };
-    }
     match over {
         Override::Candle => Choice {
             kernel: MatmulKernel::Candle,
             reason: "forced by dispatch::set_override(Override::Candle)".into(),
+            padded: None,
         },
         Override::Path(path) if !path.is_bf16_dot() || compute == Compute::Bf16 => Choice {
             kernel: MatmulKernel::Amp(path),
             reason: format!("forced by dispatch::set_override(Override::Path({path:?}))"),
+            padded: None,
         },
         Override::Path(_) | Override::Auto => automatic(compute),
     }
@@ -212,7 +220,7 @@ fn automatic(compute: Compute) -> Choice {
         }
         (Compute::F32, _, _) => format!("f32 on {path}"),
     };
-    Choice { kernel: MatmulKernel::Amp(path), reason }
+    Choice { kernel: MatmulKernel::Amp(path), reason, padded: None }
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Re
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::padded::candle_product;
 use crate::dispatch::{self, compute_of, MatmulKernel};
 use crate::{gradient_sink, Precision};
 
@@ -62,15 +63,13 @@ pub(crate) fn product_to(a: &Tensor, b: &Operand, compute: Precision, out: DType
     let b = &b.differentiated;
     let (a, b) = broadcast_batch(a, b)?;
     let dims = dims_of(&a, &b)?;
-    match dispatch::explain(a.device(), compute, dims).kernel {
+    let choice = dispatch::explain(a.device(), compute, dims);
+    match choice.kernel {
         MatmulKernel::Amp(path) if is_float(a.dtype()) && is_float(b.dtype()) && is_float(out) => {
             let b_values = if b.rank() == 2 { b_values.cloned() } else { None };
             gemm_op(&a, &b, GemmOp { path, compute: compute_of(compute), out, b_values })
         }
-        _ => {
-            let dtype = compute.dtype();
-            a.to_dtype(dtype)?.matmul(&b.to_dtype(dtype)?)?.to_dtype(out)
-        }
+        _ => candle_product(&a, &b, compute, out, choice.padded),
     }
 }
 

@@ -40,6 +40,7 @@ mod gemm;
 mod heads;
 mod layer_norm;
 pub mod loss;
+mod padded;
 mod promote;
 mod relu;
 
@@ -101,10 +102,11 @@ pub(crate) fn linear_to(
         // Without a bias, the same op from a zero row (untracked: no gradient is computed for it), so
         // that the weight is read transposed in place and its gradient deposited on the weight itself,
         // not sent back through a transpose and candle's zero-filled sum.
-        None => {
+        None if crate::dispatch::runs_on_amp_gemm(x.device(), compute) => {
             let zero = Tensor::zeros(weight.differentiated.dim(0)?, DType::F32, x.device())?;
             gemm::linear_bias(x, weight, &zero, compute, out, epilogue)?
         }
+        None => None,
     };
     if let Some(y) = fused {
         return Ok(y);
