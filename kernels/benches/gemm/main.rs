@@ -15,11 +15,13 @@
 //!
 //! Run: `cargo bench -p amp-kernels --bench gemm` (a few minutes; `-- --quick` for squares to 2048,
 //! `-- --shape TEXT` for the shapes whose name contains TEXT, e.g. `--shape 2048^3` or `--shape bert`).
-//! `scripts/torch-bench.sh` runs it with PyTorch's bf16 and f32 matmul as two more columns.
+//! `scripts/torch-bench.sh` runs it with PyTorch's bf16 and f32 matmul as two more columns, and
+//! `scripts/candle-x86-v4-bench.sh` with candle's f32 matmul built with its `gemm` dependency's `x86-v4`
+//! feature (AVX-512 kernels) as one more (`peer.rs`).
 
 mod peak;
+mod peer;
 mod timing;
-mod torch;
 
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use amp_kernels::{vectorise, Isa};
@@ -28,8 +30,8 @@ use half::bf16;
 use half::f16;
 
 use peak::Peak;
+use peer::{ChildPeer, PeerDtype};
 use timing::median;
-use torch::{TorchDtype, TorchPeer};
 
 /// How B is read: `Normal` row-major `(k, n)`, `Transposed` a row-major `(n, k)` read as its transpose.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -170,11 +172,13 @@ enum Contender {
     CandleF32,
     CandleBf16,
     GemmkitBf16,
-    Torch(TorchDtype),
+    Torch(PeerDtype),
+    /// candle's f32 matmul with `gemm`'s `x86-v4` kernels, in a child process.
+    CandleX86V4,
 }
 
 impl Contender {
-    fn all(torch: bool) -> Vec<Contender> {
+    fn all(torch: bool, candle_x86_v4: bool) -> Vec<Contender> {
         let mut v = Vec::new();
         for path in [GemmPath::AmxBf16, GemmPath::Avx512Bf16, GemmPath::Avx512, GemmPath::Avx2] {
             if path.is_supported() {
@@ -191,8 +195,11 @@ impl Contender {
             }
         }
         v.extend([Contender::CandleF32, Contender::CandleBf16, Contender::GemmkitBf16]);
+        if candle_x86_v4 {
+            v.push(Contender::CandleX86V4);
+        }
         if torch {
-            v.extend([Contender::Torch(TorchDtype::Bf16), Contender::Torch(TorchDtype::F32)]);
+            v.extend([Contender::Torch(PeerDtype::Bf16), Contender::Torch(PeerDtype::F32)]);
         }
         v
     }
@@ -203,8 +210,9 @@ impl Contender {
             Contender::CandleF32 => "candle f32".into(),
             Contender::CandleBf16 => "candle bf16".into(),
             Contender::GemmkitBf16 => "gemmkit bf16".into(),
-            Contender::Torch(TorchDtype::Bf16) => "torch bf16".into(),
-            Contender::Torch(TorchDtype::F32) => "torch f32".into(),
+            Contender::Torch(PeerDtype::Bf16) => "torch bf16".into(),
+            Contender::Torch(PeerDtype::F32) => "torch f32".into(),
+            Contender::CandleX86V4 => "candle x86-v4 f32".into(),
         }
     }
 
@@ -214,7 +222,7 @@ impl Contender {
         match self {
             Contender::Amp(GemmPath::AmxBf16, _) => Peak::Tile,
             Contender::Amp(path, _) if path.is_bf16_dot() => Peak::Dot,
-            Contender::GemmkitBf16 | Contender::CandleBf16 | Contender::Torch(TorchDtype::Bf16)
+            Contender::GemmkitBf16 | Contender::CandleBf16 | Contender::Torch(PeerDtype::Bf16)
                 if GemmPath::Avx512Bf16.is_supported() =>
             {
                 Peak::Dot
@@ -229,11 +237,12 @@ fn run(shapes: Vec<Shape>) {
     let mut first = peak::Peaks::default();
     first.measure();
     println!("peaks before the first shape: {}", first.brief());
-    let mut torch = TorchPeer::from_env();
-    if let Some(peer) = &torch {
+    let mut torch = ChildPeer::torch_from_env();
+    let mut x86_v4 = ChildPeer::candle_x86_v4_from_env();
+    for peer in torch.iter().chain(&x86_v4) {
         println!("peer: {} on 2 threads, in a child process that times each product itself", peer.version);
     }
-    let contenders = Contender::all(torch.is_some());
+    let contenders = Contender::all(torch.is_some(), x86_v4.is_some());
     let mut summary = timing::Summary::default();
     for s in shapes {
         let ops = Operands::new(&s);
@@ -245,7 +254,7 @@ fn run(shapes: Vec<Shape>) {
             (candle(&ops.a32, s.m, s.k, s.a, DType::F32), candle(&ops.b32, s.k, s.n, s.b, DType::F32));
         let (cabf, cbbf) =
             (candle(&ops.a32, s.m, s.k, s.a, DType::BF16), candle(&ops.b32, s.k, s.n, s.b, DType::BF16));
-        if let Some(peer) = &mut torch {
+        for peer in torch.iter_mut().chain(&mut x86_v4) {
             peer.shape(&s);
         }
         let mut call = |c: Contender| -> Option<f64> {
@@ -285,6 +294,9 @@ fn run(shapes: Vec<Shape>) {
                 }
                 Contender::Torch(dtype) => {
                     return Some(torch.as_mut().expect("a torch column has a peer").run(dtype));
+                }
+                Contender::CandleX86V4 => {
+                    return Some(x86_v4.as_mut().expect("an x86-v4 column has a peer").run(PeerDtype::F32));
                 }
             }
             None
