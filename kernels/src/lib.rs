@@ -68,6 +68,7 @@ pub mod gemm;
 mod isa;
 mod lanes;
 pub mod layer_norm;
+mod mul_add;
 pub mod norm;
 pub mod optim;
 mod par;
