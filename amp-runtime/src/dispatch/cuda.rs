@@ -76,8 +76,8 @@ static PAD: AtomicBool = AtomicBool::new(false);
 
 /// The padding policy for products on CUDA (off by default). On, a product whose m, n or k is not a
 /// multiple of the tensor cores' step ([`tensor_core_step`]) runs on operands zero-padded to the next
-/// multiples, and its result is cut back to the product's size: the same sums, since every added term
-/// is a product with zero. A padded operand is a copy, made per product, so where a model can, a
+/// multiples, and its result is cut back to the product's size: the same terms summed, since every
+/// added one is a product with zero (cuBLAS may sum a padded shape in another order). A padded operand is a copy, made per product, so where a model can, a
 /// dimension it chooses (a vocabulary, a hidden size) is better made a multiple of 8 in the model
 /// itself. Products that padding would grow by more than [`MAX_PADDING_EXTRA`] are left as they are.
 /// [`super::explain`] says, per shape, whether a product is padded and what that costs. Returns the

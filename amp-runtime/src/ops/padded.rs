@@ -1,4 +1,5 @@
-//! candle's matmul on operands zero-padded to the tensor cores' step ([`crate::dispatch::pad_for_tensor_cores`]).
+//! candle's matmul on operands zero-padded to the tensor cores' step
+//! ([`crate::dispatch::pad_for_tensor_cores`]).
 
 use amp_kernels::gemm::Dims;
 use candle_core::{DType, Result, Tensor};
@@ -25,8 +26,9 @@ pub(super) fn candle_product(
 
 /// `a @ b` (`(.., m, k)` and `(.., k, n)`, the same batch dimensions) with `a` zero-padded to
 /// `(.., padded.m, padded.k)` and `b` to `(.., padded.k, padded.n)`, the result cut back to
-/// `(.., m, n)`. Every term the padding adds is a product with zero, so the sums are the product's own
-/// (a sum of -0 aside, which becomes +0); candle's autograd takes gradients back through the padding.
+/// `(.., m, n)`. Every term the padding adds is a product with zero, so each sum has the product's own
+/// terms (a sum of -0 aside, which becomes +0; cuBLAS may add them in another order for the padded
+/// shape); candle's autograd takes gradients back through the padding.
 fn padded_matmul(a: &Tensor, b: &Tensor, padded: Dims) -> Result<Tensor> {
     let rank = a.rank();
     let (rows, inner) = (rank - 2, rank - 1);
