@@ -112,10 +112,16 @@ fn gemm(device: &Device, precision: Precision, tf32: bool, n: usize) -> amp::Res
         AmpConfig { opt_level: level, half: if level == OptLevel::O0 { Precision::Bf16 } else { precision } },
     )?;
     let x = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(precision.dtype())?;
-    let run = || -> amp::Result<()> {
+    let seconds = seconds_per_call(device, || {
         layer[0].forward(&x)?;
         Ok(())
-    };
+    });
+    candle_core::cuda::set_gemm_reduced_precision_f32(false);
+    Ok(2.0 * (n as f64).powi(3) / seconds? / 1e12)
+}
+
+/// Seconds per call of `run` on `device`, the mean of 10 after one to warm up.
+fn seconds_per_call(device: &Device, mut run: impl FnMut() -> amp::Result<()>) -> amp::Result<f64> {
     run()?;
     device.synchronize()?;
     let iterations = 10;
@@ -124,8 +130,7 @@ fn gemm(device: &Device, precision: Precision, tf32: bool, n: usize) -> amp::Res
         run()?;
     }
     device.synchronize()?;
-    candle_core::cuda::set_gemm_reduced_precision_f32(false);
-    Ok(2.0 * (n as f64).powi(3) * f64::from(iterations) / start.elapsed().as_secs_f64() / 1e12)
+    Ok(start.elapsed().as_secs_f64() / f64::from(iterations))
 }
 
 /// Seconds per forward and backward of a bf16 projection onto GPT-2's vocabulary, `(tokens, D)` times
@@ -139,23 +144,12 @@ fn vocab_projection(device: &Device, pad: bool, tokens: usize) -> amp::Result<f6
         &Tensor::randn(0f32, 1.0, (tokens, D), device)?.to_dtype(DType::BF16)?,
     )?;
     let before = amp::dispatch::pad_for_tensor_cores(pad);
-    let run = || -> amp::Result<()> {
+    let seconds = seconds_per_call(device, || {
         layer[0].forward(&x)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
         Ok(())
-    };
-    let timed = (|| {
-        run()?;
-        device.synchronize()?;
-        let iterations = 10;
-        let start = Instant::now();
-        for _ in 0..iterations {
-            run()?;
-        }
-        device.synchronize()?;
-        Ok(start.elapsed().as_secs_f64() / f64::from(iterations))
-    })();
+    });
     amp::dispatch::pad_for_tensor_cores(before);
-    timed
+    seconds
 }
 
 /// How the scaler's verdict reaches the optimizer.
