@@ -198,6 +198,26 @@ mod tests {
         check("fused", value_and_slope_with::<Fused>);
     }
 
+    /// The loops a CPU without FMA runs (vectorised here all the same) compute the separate scalar
+    /// function's bits, as the fused loops compute the fused function's.
+    #[test]
+    fn the_loops_of_either_arithmetic_compute_its_scalar_function() {
+        fn check<A: MulAdd>(name: &str) {
+            let x: Vec<f32> = (0..BLOCK + 13).map(|i| ((i * 7919) % 4001) as f32 / 250.0 - 8.0).collect();
+            let dy: Vec<f32> = (0..x.len()).map(|i| ((i * 104_729) % 211) as f32 / 100.0 - 1.0).collect();
+            let (mut y, mut dx) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+            values::<A>(&x, &mut y);
+            gradients::<A>(&x, &dy, &mut dx);
+            for i in 0..x.len() {
+                let (value, slope) = value_and_slope_with::<A>(x[i]);
+                assert_eq!(y[i].to_bits(), value.to_bits(), "{name}: gelu(x[{i}])");
+                assert_eq!(dx[i].to_bits(), (dy[i] * slope).to_bits(), "{name}: dx[{i}]");
+            }
+        }
+        check::<Separate>("separate");
+        check::<Fused>("fused");
+    }
+
     /// Every element, whatever its place in the chunks and blocks (lengths around their edges), is the
     /// scalar function rounded once to the dtype: the vectorised loops compute the same bits.
     #[test]
