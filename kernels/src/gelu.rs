@@ -41,6 +41,7 @@ pub fn value_and_slope(x: f32) -> (f32, f32) {
     }
 }
 
+/// [`value_and_slope`] with the multiply-adds as `A` does them: what the kernels' loops compute.
 #[inline(always)]
 fn value_and_slope_with<A: MulAdd>(x: f32) -> (f32, f32) {
     let x2 = x * x;
