@@ -4,7 +4,8 @@
 //! the compute precision with f32 accumulation ([`crate::ops::matmul_to`]: amp's GEMM on the CPU, the
 //! weight read transposed in place and rounded while packed, from its fp32 master under O2:
 //! [`crate::GradientRoute`]), the bias is added in f32, and the result is rounded once to the layer's
-//! output precision.
+//! output precision. On CUDA candle's matmul returns a half product in the compute dtype, so there the
+//! sum is rounded to it first and once more after the bias.
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
