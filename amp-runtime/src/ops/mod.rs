@@ -102,7 +102,8 @@ pub(crate) fn linear_to(
         // Without a bias, the same op from a zero row (untracked: no gradient is computed for it), so
         // that the weight is read transposed in place and its gradient deposited on the weight itself,
         // not sent back through a transpose and candle's zero-filled sum.
-        None if crate::dispatch::runs_on_amp_gemm(x.device(), compute) => {
+        // Only the CPU has amp's GEMM: elsewhere the row would be made only to be dropped.
+        None if x.device().is_cpu() => {
             let zero = Tensor::zeros(weight.differentiated.dim(0)?, DType::F32, x.device())?;
             gemm::linear_bias(x, weight, &zero, compute, out, epilogue)?
         }
