@@ -276,3 +276,42 @@ fn operands_that_are_not_tracked_get_no_gradient() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn a_linear_whose_weight_does_not_fit_the_input_is_refused_on_every_kernel() -> Result<()> {
+    use candle_core::Module;
+    let dev = Device::Cpu;
+    let weight = Tensor::randn(0f32, 1.0, (30, 20), &dev)?;
+    let wide = Tensor::randn(0f32, 1.0, (30, 40), &dev)?;
+    let bias = Tensor::zeros(30, DType::F32, &dev)?;
+    let short_bias = Tensor::zeros(29, DType::F32, &dev)?;
+    let message = |r: Result<Tensor>| r.expect_err("refused").to_string();
+    for over in [Override::Auto, Override::Candle] {
+        dispatch::with_override(over, || -> Result<()> {
+            for precision in Precision::ALL {
+                for features in [15, 25] {
+                    let x = Tensor::randn(0f32, 1.0, (4, features), &dev)?;
+                    for b in [None, Some(&bias)] {
+                        let err = message(ops::linear(&x, &weight, b, precision));
+                        assert!(err.contains(&format!("{features} features")), "{over:?}: {err}");
+                    }
+                    // A narrowed weight has columns beyond its width in the same storage.
+                    let narrowed = wide.narrow(1, 0, 20)?;
+                    let err = message(ops::linear(&x, &narrowed, Some(&bias), precision));
+                    assert!(err.contains("takes 20"), "{over:?}: {err}");
+                }
+                let x = Tensor::randn(0f32, 1.0, (2, 3, 20), &dev)?;
+                let err = message(ops::linear(&x, &weight, Some(&short_bias), precision));
+                assert!(err.contains("must have shape [30]"), "{over:?}: {err}");
+                assert_eq!(ops::linear(&x, &weight, Some(&bias), precision)?.dims(), &[2, 3, 30]);
+            }
+            Ok(())
+        })
+        .expect("candle is always available")?;
+    }
+    let varmap = candle_nn::VarMap::new();
+    let layer = amp::nn::linear(20, 30, candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+    let err = message(layer.forward(&Tensor::zeros((4, 15), DType::F32, &dev)?));
+    assert!(err.contains("give the input shape (.., 20)"), "{err}");
+    Ok(())
+}

@@ -1,4 +1,4 @@
-//! `amp::nn::BatchNorm` and `GroupNorm`: fp32 statistics, the running-statistics update, train vs eval,
+//! `amp::nn::BatchNorm`, `GroupNorm` and `RmsNorm`: fp32 statistics, the running-statistics update, train vs eval,
 //! f64 references with fp16 and bf16 inputs, inputs near fp16 overflow, and candle-nn parity.
 //!
 //! Tolerances (normwise relative, `common::tolerance`): both layers compute in f32 on the half input's
@@ -10,7 +10,7 @@
 
 mod common;
 
-use amp::nn::{batch_norm, group_norm, BatchNorm, BatchNormConfig, GroupNorm};
+use amp::nn::{batch_norm, group_norm, BatchNorm, BatchNormConfig, GroupNorm, RmsNorm};
 use amp::{Layer, LayerPrecision, Param};
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
@@ -283,4 +283,52 @@ fn norms_are_pinned_fp32_whatever_they_are_asked() {
         (bn.precision().compute, gn.precision().compute),
         (amp::Precision::Fp32, amp::Precision::Fp32)
     );
+}
+
+#[test]
+fn rms_norm_matches_f64_in_every_dtype_where_half_squares_overflow() -> Result<()> {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        // |x| up to about 1,500: x^2 overflows fp16 (65,504), so the mean of squares must be f32.
+        let inputs = [
+            common::randn_in(4, &[3, 5, 16], 500.0, DType::F32)?.to_dtype(dtype)?,
+            (common::randn_in(5, &[16], 0.5, DType::F32)? + 1.0)?,
+        ];
+        let inputs64 = inputs.iter().map(|t| t.to_dtype(DType::F64)).collect::<Result<Vec<_>>>()?;
+        let ours = |t: &[Tensor]| RmsNorm::new(Param::from_tensor(&t[1])?, EPS).forward(&t[0]);
+        let reference = |t: &[Tensor]| {
+            let rms = (t[0].sqr()?.mean_keepdim(2)? + EPS)?.sqrt()?;
+            t[0].broadcast_div(&rms)?.broadcast_mul(&t[1])
+        };
+        let (y, grads) = common::value_and_grads(ours, &inputs)?;
+        let (y_ref, grads_ref) = common::value_and_grads(reference, &inputs64)?;
+        assert_eq!((y.dtype(), grads[0].dtype(), grads[1].dtype()), (dtype, dtype, DType::F32));
+        let tolerance = |roundings, safety| common::tolerance(dtype, roundings, safety);
+        common::assert_close(&format!("rms_norm {dtype:?} forward"), &y, &y_ref, tolerance(1, 2.0))?;
+        common::assert_close(
+            &format!("rms_norm {dtype:?} grad x"),
+            &grads[0],
+            &grads_ref[0],
+            tolerance(2, 4.0),
+        )?;
+        common::assert_close(
+            &format!("rms_norm {dtype:?} grad weight"),
+            &grads[1],
+            &grads_ref[1],
+            tolerance(1, 2.0),
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_layer_norm_for_other_features_than_the_input_has_is_refused_not_a_panic() -> Result<()> {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let norm = amp::nn::layer_norm(32, 1e-5, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+    for dtype in [DType::F32, DType::BF16] {
+        let x = Tensor::zeros((4, 16), dtype, &dev)?;
+        let err = norm.forward(&x).expect_err("16 features into a norm of 32").to_string();
+        assert!(err.contains("16 features") && err.contains("[32]"), "{err}");
+    }
+    Ok(())
 }

@@ -21,8 +21,18 @@ pub(crate) fn layer_norm(
     if !x.device().is_cpu() || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
         return Ok(None);
     }
-    if x.rank() == 0 {
+    let Some(&features) = x.dims().last() else {
         candle_core::bail!("layer_norm: x has no dimensions");
+    };
+    for (name, t) in [("weight", Some(weight)), ("bias", bias)] {
+        if let Some(t) = t.filter(|t| t.dims() != [features]) {
+            candle_core::bail!(
+                "layer_norm: the input has {features} features (its last dimension) but the {name} has \
+                 shape {:?}: give the input shape (.., {}), or build the layer for {features} features",
+                t.dims(),
+                t.dims().first().copied().unwrap_or(1)
+            );
+        }
     }
     let weight = weight.to_dtype(DType::F32)?;
     let (bias, has_bias) = match bias {

@@ -86,6 +86,30 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, compute: Preci
 /// the epilogue is part of the product's op, which folds the leading dimensions itself: a reshape
 /// each way would be two more graph nodes, each a zero-filled sum of its size in candle's backward
 /// pass. Otherwise `x` is reshaped to a matrix and the epilogue follows as its own op.
+/// Refuses a weight that is not `(out, in)` for `x`'s `in` features, or a bias that is not `(out)`: the
+/// GEMM reads the weight through its strides, so a mismatch would read a part of it, or past it.
+fn check_linear_shapes(features: usize, weight: &[usize], bias: Option<&[usize]>) -> Result<()> {
+    let &[outputs, inputs] = weight else {
+        return Err(candle_core::Error::Msg(format!(
+            "linear: the weight has shape {weight:?}; it must be a matrix (out features, in features)"
+        )));
+    };
+    if inputs != features {
+        return Err(candle_core::Error::Msg(format!(
+            "linear: the input has {features} features (its last dimension) but the weight \
+             ({outputs}, {inputs}) takes {inputs}: give the input shape (.., {inputs}), or build the \
+             layer with {features} input features"
+        )));
+    }
+    match bias {
+        Some(bias) if bias != [outputs] => Err(candle_core::Error::Msg(format!(
+            "linear: the bias has shape {bias:?} but the weight ({outputs}, {inputs}) has {outputs} \
+             outputs: the bias must have shape [{outputs}]"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 pub(crate) fn linear_to(
     x: &Tensor,
     weight: &Operand,
@@ -97,6 +121,7 @@ pub(crate) fn linear_to(
     let dims = x.dims().to_vec();
     let features =
         *dims.last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
+    check_linear_shapes(features, weight.differentiated.dims(), bias.map(Tensor::dims))?;
     let fused = match bias {
         Some(bias) => gemm::linear_bias(x, weight, bias, compute, out, epilogue)?,
         // Without a bias, the same op from a zero row (untracked: no gradient is computed for it), so
