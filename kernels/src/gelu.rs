@@ -20,6 +20,8 @@ use crate::{GradSlice, GradSliceMut};
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const CUBIC: f32 = 0.044_715;
+/// Where `tanh` of GELU's argument is exactly +-1 in f32 (the argument is about 158 there).
+const SATURATED: f32 = 16.0;
 /// Floats per parallel chunk: large enough that a chunk's work outweighs scheduling it.
 const CHUNK: usize = 8192;
 /// Floats widened, computed and narrowed at a time (stack buffers).
@@ -48,7 +50,10 @@ fn value_and_slope_with<A: MulAdd>(x: f32) -> (f32, f32) {
     let t = tanh::<A>(SQRT_2_OVER_PI * x * A::mul_add(CUBIC, x2, 1.0));
     let half_x = 0.5 * x;
     let value = A::mul_add(half_x, t, half_x);
-    let inner = half_x * SQRT_2_OVER_PI * A::mul_add(3.0 * CUBIC, x2, 1.0);
+    // Past |x| = 16 `tanh` is exactly +-1, so `1 - t^2` is 0 and the slope `(1 + t) / 2`; the inner
+    // factor is taken at the clamped x, where `x^2` cannot overflow (inf times that 0 would be NaN).
+    let clamped = x.clamp(-SATURATED, SATURATED);
+    let inner = 0.5 * clamped * SQRT_2_OVER_PI * A::mul_add(3.0 * CUBIC, clamped * clamped, 1.0);
     let slope = A::mul_add(A::mul_add(-t, t, 1.0), inner, A::mul_add(0.5, t, 0.5));
     (value, slope)
 }
@@ -197,6 +202,23 @@ mod tests {
         };
         check("separate", value_and_slope_with::<Separate>);
         check("fused", value_and_slope_with::<Fused>);
+    }
+
+    /// Where `x^2` overflows f32 (|x| from about 1.8e19) the value is `x` or 0 and the slope 1 or 0, as
+    /// from 16 on, not NaN; and from 16 on `tanh` is exactly +-1, so the clamped inner factor changes no
+    /// bit of a slope there.
+    #[test]
+    fn large_inputs_saturate_in_value_and_slope() {
+        fn check<A: MulAdd>(name: &str) {
+            for x in [16.0, 17.5, 1e3, 1e19, 2e19, 1e30, f32::MAX] {
+                assert_eq!(value_and_slope_with::<A>(x), (x, 1.0), "{name}: {x}");
+                assert_eq!(value_and_slope_with::<A>(-x), (0.0, 0.0), "{name}: -{x}");
+                assert_eq!(tanh::<A>(SQRT_2_OVER_PI * x * A::mul_add(CUBIC, x * x, 1.0)), 1.0, "{name}: {x}");
+            }
+            assert!(value_and_slope_with::<A>(f32::NAN).1.is_nan(), "{name}");
+        }
+        check::<Separate>("separate");
+        check::<Fused>("fused");
     }
 
     /// The loops a CPU without FMA runs (vectorised here all the same) compute the separate scalar

@@ -30,12 +30,18 @@ pub fn forward(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>,
     assert_eq!(weight.len(), d, "layer_norm: weight length");
     assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
     assert_eq!(x.len(), y.len(), "layer_norm: x and y lengths");
+    assert_whole_rows(x.len(), d);
     if d == 0 {
         return;
     }
     y.par_chunks_mut(d * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
         forward_rows(x, d, weight, bias, eps, block * ROWS_PER_BLOCK, ys);
     });
+}
+
+/// Panics unless `len` is whole rows of `d` (a partial last row would be left out without a word).
+fn assert_whole_rows(len: usize, d: usize) {
+    assert!(d == 0 || len.is_multiple_of(d), "layer_norm: a length of {len} is not whole rows of {d}");
 }
 
 /// [`forward`] into a new vector, written block by block in parallel ([`crate::fresh`]).
@@ -45,6 +51,7 @@ pub fn forward(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>,
 pub fn forward_new(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>, eps: f32) -> Vec<f32> {
     assert_eq!(weight.len(), d, "layer_norm: weight length");
     assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
+    assert_whole_rows(x.len(), d);
     if d == 0 {
         return vec![0.0; x.len()];
     }
@@ -113,6 +120,7 @@ pub fn backward(
     assert_eq!(weight.len(), d, "layer_norm: weight length");
     assert_eq!((dweight.len(), dbias.len()), (d, d), "layer_norm: gradient lengths");
     assert_eq!((x.len(), dy.len()), (dx.len(), dx.len()), "layer_norm: x, dy and dx lengths");
+    assert_whole_rows(x.len(), d);
     dweight.fill(0.0);
     dbias.fill(0.0);
     if d == 0 {
@@ -291,5 +299,31 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&fresh), bits(&y), "{rows} x {d}");
         }
+    }
+
+    /// A length that is not whole rows is refused by every entry point (a partial last row was left
+    /// out of `y`, `dx` and the weight gradients without a word).
+    #[test]
+    fn a_partial_row_is_refused() {
+        let (x, w) = (vec![1.0f32; 10], vec![1.0f32; 3]);
+        let refused = |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+        assert!(refused(&|| forward(GradSlice::F32(&x), 3, &w, None, 1e-5, &mut [0.0; 10])));
+        assert!(refused(&|| drop(forward_new(GradSlice::F32(&x), 3, &w, None, 1e-5))));
+        let (mut dx, mut dw, mut db) = (vec![0.0; 10], vec![0.0; 3], vec![0.0; 3]);
+        assert!(refused(&|| {
+            let (dx, dw, db) = (&mut dx.clone(), &mut dw.clone(), &mut db.clone());
+            backward(GradSlice::F32(&x), GradSlice::F32(&x), 3, &w, 1e-5, dx, dw, db);
+        }));
+        // Whole rows pass.
+        backward(
+            GradSlice::F32(&x[..9]),
+            GradSlice::F32(&x[..9]),
+            3,
+            &w,
+            1e-5,
+            &mut dx[..9],
+            &mut dw,
+            &mut db,
+        );
     }
 }

@@ -66,6 +66,7 @@ pub fn forward_in_place(v: &mut [f32], cols: usize, scale: f32, mask: Mask) {
 /// Runs `block(first_row, rows)` over `out`'s blocks of whole rows on the current rayon pool.
 fn in_row_blocks(cols: usize, out: &mut [f32], block: impl Fn(usize, &mut [f32]) + Sync) {
     if cols == 0 {
+        assert!(out.is_empty(), "softmax: rows of 0 columns cannot hold {} values", out.len());
         return;
     }
     assert_eq!(out.len() % cols, 0, "softmax: length not a multiple of cols");
@@ -310,5 +311,15 @@ mod tests {
                 assert_eq!(bits(&g), bits(&dx), "backward {rows}x{cols} {mask:?}");
             }
         }
+    }
+
+    /// Values in rows of no columns are refused (they were left unwritten without a word); an empty
+    /// matrix of no columns is fine.
+    #[test]
+    fn rows_of_no_columns_hold_no_values() {
+        let refused = |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+        assert!(refused(&|| forward(&[1.0; 4], 0, 1.0, Mask::None, &mut [0.0; 4])));
+        assert!(refused(&|| forward_in_place(&mut [1.0; 4], 0, 1.0, Mask::None)));
+        forward(&[], 0, 1.0, Mask::None, &mut []);
     }
 }

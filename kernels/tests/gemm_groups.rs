@@ -72,19 +72,31 @@ fn view(data: &Owned, [row_stride, col_stride, batch_stride]: [usize; 3]) -> Mat
 #[test]
 fn each_product_of_a_group_is_what_it_would_be_alone() {
     let mut rng = Rng(41);
-    let shapes =
-        [(3, 1, 1, 1, 1), (4, 2, 7, 65, 3), (3, 1, 97, 130, 257), (2, 3, 13, 9, 70), (1, 2, 6, 64, 2)];
+    // The last shape is skinny (m <= 64, k >= 32): with A's rows and B's columns contiguous, a bf16 dot
+    // path computes it as dot products where the operands lie, a product at a time.
+    let shapes = [
+        (3, 1, 1, 1, 1),
+        (4, 2, 7, 65, 3),
+        (3, 1, 97, 130, 257),
+        (2, 3, 13, 9, 70),
+        (1, 2, 6, 64, 2),
+        (3, 2, 5, 17, 40),
+    ];
     for (count, batch, m, n, k) in shapes {
         let dims = Dims::batched(batch, m, n, k);
         let xa = rng.vec(count * batch * m * k, -4, 4);
         let xb = rng.vec(count * batch * k * n, -4, 4);
         for (path, compute) in paths() {
             for &(out, out_type) in outputs(compute) {
-                for layout in [(false, true), (true, false), (false, false), (true, true)] {
+                let layouts = [(false, true), (true, false), (false, false), (true, true)];
+                // Both operands alike, and A row-major with B transposed (the skinny path's layout).
+                let pairs = layouts.into_iter().map(|l| (l, l)).chain([((false, true), (true, true))]);
+                for (a_layout, b_layout) in pairs {
+                    let layout = (a_layout, b_layout);
                     let a_of = |g, b, i, j| xa[((g * batch + b) * m + i) * k + j];
                     let b_of = |g, b, i, j| xb[((g * batch + b) * k + i) * n + j];
-                    let (a, a_strides, a_step) = grouped(Dtype::Bf16, (count, batch, m, k), layout, a_of);
-                    let (b, b_strides, b_step) = grouped(Dtype::Bf16, (count, batch, k, n), layout, b_of);
+                    let (a, a_strides, a_step) = grouped(Dtype::Bf16, (count, batch, m, k), a_layout, a_of);
+                    let (b, b_strides, b_step) = grouped(Dtype::Bf16, (count, batch, k, n), b_layout, b_of);
                     for placement in [Placement::SideBySide, Placement::Stacked] {
                         let (row_stride, batch_stride, c_step) = match placement {
                             Placement::SideBySide => (count * n, m * count * n, n),
@@ -106,6 +118,30 @@ fn each_product_of_a_group_is_what_it_would_be_alone() {
                         assert_same(&what, &to_f32(together.unwrap()), &alone.to_f32());
                     }
                 }
+            }
+        }
+    }
+}
+
+/// A group of no products is an empty C on every path, the skinny one's layout included (it had written
+/// a whole product through the empty vector's dangling pointer).
+#[test]
+fn a_group_of_no_products_is_empty() {
+    let (a, b) = (vec![1.0f32; 2 * 64 * 40], vec![1.0f32; 2 * 40 * 17]);
+    let dims = Dims::batched(2, 64, 17, 40);
+    let a = Owned::new(Dtype::Bf16, &a);
+    let b = Owned::new(Dtype::Bf16, &b);
+    // A row-major, B transposed: the skinny path's layout.
+    let operands = (
+        MatRef { data: a.view(), row_stride: 40, col_stride: 1, batch_stride: 64 * 40 },
+        MatRef { data: b.view(), row_stride: 1, col_stride: 40, batch_stride: 40 * 17 },
+    );
+    for (path, compute) in paths() {
+        for &(_, out_type) in outputs(compute) {
+            for placement in [Placement::SideBySide, Placement::Stacked] {
+                let groups = Groups { count: 0, a_step: 0, b_step: 0, placement };
+                let c = gemm_new_groups(path, dims, operands, groups, out_type, compute, Triangle::Full);
+                assert!(to_f32(c.unwrap()).is_empty(), "{path} {placement:?}");
             }
         }
     }

@@ -155,11 +155,14 @@ impl NewElement for bf16 {
 fn run_job(path: GemmPath, job: Job<'_>) {
     const CHECKED: &str = "GemmPath::check found this path supported";
     let Dims { batch, m, n, .. } = job.dims;
-    if batch == 0 || m == 0 || n == 0 {
+    // An empty C (no products in the group, or an empty dimension): nothing to write, and C's pointer
+    // may be dangling.
+    if batch == 0 || m == 0 || n == 0 || job.spacing.count == 0 {
         return;
     }
     if skinny::applies(path, &job) {
-        debug_assert_eq!(job.spacing.count, 1, "the skinny path runs one product");
+        // The skinny path writes one product's C: a group is split into its products before it comes here.
+        assert_eq!(job.spacing.count, 1, "the skinny path runs one product");
         let parallel = job.dims.flops() >= PARALLEL_FLOPS;
         match path {
             #[cfg(target_arch = "x86_64")]
