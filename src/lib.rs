@@ -47,7 +47,8 @@
 //! }
 //! ```
 //!
-//! Training a model with fp16 layers without a loss scaler does not compile either:
+//! Training a model with layers fixed to fp16 without a loss scaler does not compile either (a layer in
+//! fp16 only through its opt level's half type is refused when the step runs):
 //!
 //! ```compile_fail,E0277
 //! use amp::{nn::Linear, AmpModule};

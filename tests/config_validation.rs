@@ -149,3 +149,16 @@ fn nesterov_without_momentum_is_refused_naming_it() {
     let config = SgdConfig { nesterov: true, ..Default::default() };
     assert!(config.validate().unwrap_err().to_string().contains("`nesterov`"));
 }
+
+/// A first scale outside the scale's bounds is refused (it was moved inside them without a word), and
+/// `ScalerConfig::fixed` widens the bounds to hold its scale.
+#[test]
+fn an_init_scale_outside_the_bounds_is_refused_and_a_fixed_scale_is_kept() -> amp::Result<()> {
+    for init_scale in [0.5, 2f32.powi(25)] {
+        let config = ScalerConfig { init_scale, ..Default::default() };
+        let err = config.validate().expect_err("outside [1, 2^24]").to_string();
+        assert!(err.contains("init_scale") && err.contains("min_scale or raise max_scale"), "{err}");
+        assert_eq!(amp::GradScaler::new(ScalerConfig::fixed(init_scale))?.scale(), init_scale);
+    }
+    Ok(())
+}

@@ -286,6 +286,27 @@ fn deferred_adam_counts_its_steps_on_the_device() -> amp::Result<()> {
     Ok(())
 }
 
+/// A disabled scaler (a bf16 model's) checks the gradients of a deferred step as `step_fused` does: a
+/// NaN gradient under a finite loss skips the step on the device and changes no weight.
+#[test]
+fn a_deferred_step_of_a_disabled_scaler_skips_a_nan_gradient() -> amp::Result<()> {
+    let Some(cuda) = gpu() else { return Ok(()) };
+    let net = model(&cuda, Precision::Bf16)?;
+    let mut adam = FusedAdam::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+    let mut scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
+    scaler.step_fused_deferred(&loss(&net, 0, 1.0)?, &mut adam, None)?;
+    let before = masters(&net)?;
+    // sqrt(w - w) is 0 (a finite loss) and its gradient inf - inf = NaN.
+    let w = net.fc2.weight().trainable().as_tensor();
+    let nan_gradient = (w - w)?.sqrt()?.to_dtype(DType::F32)?.sum_all()?;
+    scaler.step_fused_deferred(&(loss(&net, 1, 1.0)? + nan_gradient)?, &mut adam, None)?;
+    let settled = scaler.settle()?;
+    assert_eq!((settled.steps, settled.applied), (2, 1), "{settled}");
+    assert_eq!(masters(&net)?, before, "masters bit-identical");
+    assert_eq!(adam.steps()?, 1, "the skipped step is not counted");
+    Ok(())
+}
+
 /// Under the padding policy a bf16 product of n = 1001 runs on operands padded to n = 1008 and gives
 /// the unpadded product's values and both gradients, up to a bf16 rounding where cuBLAS's kernel for
 /// the padded shape sums in another order. The policy is process-wide: a test running meanwhile may

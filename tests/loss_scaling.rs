@@ -80,6 +80,50 @@ fn batch(step: usize) -> candle_core::Result<(Tensor, Tensor)> {
     Ok((x, y))
 }
 
+/// `GradScaler::step` itself, with a finite loss whose backward makes one gradient non-finite: the
+/// optimizer's closure is never called, every weight and the optimizer state stay bit-identical, the
+/// report names the parameter and the scale backs off.
+#[test]
+fn step_skips_a_non_finite_gradient_without_calling_the_optimizer() -> amp::Result<()> {
+    // Terms of the out layer's fp16 working copy `w` with a finite value and a non-finite gradient:
+    // sqrt(w - w) is 0, its gradient inf - inf = NaN (candle prunes a product with 0 from the graph);
+    // 65504 w / 100 sends back 65504 times a hundredth of the scale, past fp16's range.
+    type Term = fn(&Tensor) -> candle_core::Result<Tensor>;
+    let terms: [(&str, Term); 2] = [
+        ("NaN", |w| (w - w)?.sqrt()?.to_dtype(DType::F32)?.sum_all()),
+        ("inf", |w| (w * 65504.0)?.to_dtype(DType::F32)?.sum_all()? * 1e-2),
+    ];
+    for (what, term) in terms {
+        let net = fp16_net()?;
+        let sgd = Sgd::new(&net)?;
+        let mut scaler =
+            GradScaler::for_model(&net, ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+        let (x, y) = batch(0)?;
+        let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+        let report = scaler.step(&net, &loss, |grads| sgd.step(&net, grads))?;
+        assert!(report.applied(), "{report}");
+        let before = snapshot(&net, &sgd);
+        let w = net.out.weight().trainable().as_tensor();
+        let loss = (loss + term(w)?)?;
+        assert!(loss.to_scalar::<f32>()?.is_finite(), "{what}: the loss stays finite");
+        let mut called = false;
+        let report = scaler.step(&net, &loss, |_| {
+            called = true;
+            Ok(())
+        })?;
+        assert!(!called, "{what}: the optimizer was called: {report}");
+        assert!(!report.applied(), "{what}: {report}");
+        assert_eq!(
+            report.skipped,
+            Some(SkipReason::GradientOverflow { param: "out.weight".into() }),
+            "{what}"
+        );
+        assert_eq!(report.scale_after, 512.0, "{what}: the scale backs off");
+        assert_eq!(snapshot(&net, &sgd), before, "{what}: masters, working copies and state bit-identical");
+    }
+    Ok(())
+}
+
 #[test]
 fn a_non_finite_gradient_skips_the_step_and_changes_nothing() -> amp::Result<()> {
     for poison in [f32::INFINITY, f32::NAN] {
@@ -465,5 +509,90 @@ fn fused_step_finds_an_overflow_in_a_product_gradient_and_changes_nothing() -> a
         assert!(state(&net, &adam)? != before);
         Ok(())
     })??;
+    Ok(())
+}
+
+/// Rolling a scaler back to an earlier state in the same process (`load_state`, or a checkpoint's
+/// `restore_state`) restarts its skip log's window there: the next step is counted from the restored
+/// step (it had subtracted the later window's start from it, and overflowed).
+#[test]
+fn a_scaler_rolled_back_to_an_earlier_state_steps_on() -> amp::Result<()> {
+    use amp::checkpoint::TrainingState;
+    for restore in ["load_state", "restore_state"] {
+        let mut scaler = GradScaler::new(ScalerConfig::default())?.with_summary_every(10);
+        for _ in 0..5 {
+            scaler.update(None)?;
+        }
+        let (config, state, saved) = (*scaler.config(), *scaler.state(), scaler.save_state()?);
+        for _ in 0..20 {
+            scaler.update(None)?;
+        }
+        match restore {
+            "load_state" => scaler.load_state(config, state)?,
+            _ => scaler.restore_state(saved)?,
+        }
+        for step in 6..=30 {
+            let skip = (step % 7 == 0).then_some(SkipReason::NonFiniteLoss);
+            assert_eq!(scaler.update(skip)?.step, step, "{restore}");
+        }
+    }
+    Ok(())
+}
+
+/// Under O3 fp16 there is no fp32 master to unscale into: an enabled scaler refuses the step (unscaled
+/// in fp16, a gradient of 1e-8 flushes to zero) and changes nothing; a scale of 1 trains it.
+#[test]
+fn an_fp16_gradient_without_a_master_is_not_unscaled_in_fp16() -> amp::Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let mut net = Net { hidden: linear(4, 16, vb.pp("hidden"))?, out: linear(16, 1, vb.pp("out"))? };
+    amp::initialize(&mut net, AmpConfig::new(OptLevel::O3, &Device::Cpu).with_half(Precision::Fp16))?;
+    let (x, y) = batch(0)?;
+    let loss =
+        || -> amp::Result<Tensor> { Ok((net.forward(&x)?.to_dtype(DType::F32)? - &y)?.sqr()?.mean_all()?) };
+    let weights = || -> amp::Result<Vec<Vec<f32>>> {
+        let params = net.named_params();
+        params
+            .iter()
+            .map(|(_, p)| Ok(p.master().as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?))
+            .collect()
+    };
+    let before = weights()?;
+    let mut scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
+    assert!(scaler.is_enabled());
+    let err = scaler.step(&net, &loss()?, |_| Ok(())).expect_err("refused").to_string();
+    assert!(err.contains("fp16 gradient and no fp32 master") && err.contains("fixed(1.0)"), "{err}");
+    assert_eq!(weights()?, before, "nothing changed");
+    let mut fixed = GradScaler::new(ScalerConfig::fixed(1.0))?;
+    assert!(fixed.step(&net, &loss()?, |_| Ok(()))?.applied());
+    Ok(())
+}
+
+/// `step_unscaled` compiles for a model without fp16 attributes; when its opt level's half type makes
+/// its layers compute in fp16 at run time, the step is refused, naming the first such layer, and
+/// changes nothing. With bf16 it trains.
+#[test]
+fn step_unscaled_refuses_a_model_the_opt_level_puts_in_fp16() -> amp::Result<()> {
+    for half in [Precision::Fp16, Precision::Bf16] {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let mut net = Net { hidden: linear(4, 16, vb.pp("hidden"))?, out: linear(16, 1, vb.pp("out"))? };
+        amp::initialize(&mut net, AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(half))?;
+        let (x, y) = batch(0)?;
+        let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+        let mut called = false;
+        let result = amp::scaler::step_unscaled(&net, &loss, |_| {
+            called = true;
+            Ok(())
+        });
+        match half {
+            Precision::Fp16 => {
+                let err = result.expect_err("fp16 without a scaler").to_string();
+                assert!(err.contains("`hidden` computes in fp16") && err.contains("for_model"), "{err}");
+                assert!(!called);
+            }
+            _ => assert!(result?.applied() && called),
+        }
+    }
     Ok(())
 }

@@ -154,6 +154,33 @@ pub enum Error {
         what: String,
     },
 
+    /// [`crate::scaler::step_unscaled`] on a model that computes in fp16 because its opt level's half
+    /// is fp16 (an attribute's fp16 is refused at compile time).
+    #[error(
+        "`{path}` computes in fp16 (its opt level's half type), so this model must be trained with a \
+         loss scaler, or small gradients underflow: use `GradScaler::for_model(&model, \
+         ScalerConfig::default())` and its `step` or `step_fused` instead of `step_unscaled`, or \
+         initialize with bf16 as the half type; nothing was changed"
+    )]
+    NeedsLossScaler {
+        /// The first layer computing in fp16.
+        path: String,
+    },
+
+    /// A scaled fp16 gradient with no fp32 master to unscale it into (an O3 fp16 parameter).
+    #[error(
+        "`{path}` has an fp16 gradient and no fp32 master: unscaling it by 1/{scale} in fp16 would flush \
+         its small values to zero (PyTorch refuses this too); nothing was changed. Initialize the model \
+         with O2 (fp32 masters), or train O3 with a scale of 1 (`GradScaler::new(ScalerConfig::fixed(1.0))`, \
+         Apex O3's default)"
+    )]
+    Fp16Unscale {
+        /// The parameter.
+        path: String,
+        /// The loss scale.
+        scale: f32,
+    },
+
     /// Trainable parameters that received no gradient on the first step (see
     /// [`MissingGradients`](crate::scaler::MissingGradients)); nothing was changed.
     #[error(

@@ -51,9 +51,16 @@ impl Default for ScalerConfig {
 }
 
 impl ScalerConfig {
-    /// A fixed scale: no growth, no backoff.
+    /// A fixed scale: no growth, no backoff (the bounds widened to include it, so 0.5 stays 0.5).
     pub fn fixed(scale: f32) -> Self {
-        ScalerConfig { init_scale: scale, dynamic: false, ..Self::default() }
+        let default = Self::default();
+        ScalerConfig {
+            init_scale: scale,
+            dynamic: false,
+            min_scale: default.min_scale.min(scale),
+            max_scale: default.max_scale.max(scale),
+            ..default
+        }
     }
 
     /// The rule the scale follows (amp-kernels' form, shared with the device's state machine).
@@ -86,6 +93,15 @@ impl ScalerConfig {
         }
         if !(self.min_scale > 0.0 && self.min_scale <= self.max_scale && self.max_scale.is_finite()) {
             return bad("need 0 < min_scale <= max_scale < inf");
+        }
+        if !(self.min_scale..=self.max_scale).contains(&self.init_scale) {
+            return Err(crate::Error::InvalidScalerConfig {
+                reason: format!(
+                    "init_scale {} is outside [min_scale, max_scale] = [{}, {}], where the scale would be \
+                     moved without a word: lower min_scale or raise max_scale to include it",
+                    self.init_scale, self.min_scale, self.max_scale
+                ),
+            });
         }
         if self.hysteresis == 0 {
             return bad("hysteresis must be at least 1 (1 backs off on the first overflow)");

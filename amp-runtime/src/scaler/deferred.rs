@@ -58,6 +58,8 @@ impl GradScaler {
             self.device = None;
         }
         self.window = Settled::none(self.state.scale);
+        // The skip log's window restarts at the restored count, which may be behind it (a rollback).
+        self.log.restart(self.state.steps);
     }
 
     /// The state including queued steps (reads the device without settling): what a checkpoint saves.
@@ -165,11 +167,9 @@ impl GradScaler {
             self.read_device()?;
             self.queued()?.set_checked(paths().map(str::to_owned).collect());
         }
-        let check = match max_grad_norm {
-            Some(max_norm) => GradCheck::ClipNorm(max_norm),
-            None if self.enabled || self.finite_guard => GradCheck::Finite,
-            None => GradCheck::None,
-        };
+        // Gradients are always checked, as `step_fused` checks them: a disabled scaler (bf16, fp32)
+        // skips a step with an inf or NaN gradient too.
+        let check = max_grad_norm.map_or(GradCheck::Finite, GradCheck::ClipNorm);
         let tensors: Vec<&candle_core::Tensor> = present.iter().map(|(_, g)| *g).collect();
         let (config, dynamic) = (self.config, self.enabled && self.config.dynamic);
         let queued = self.queued()?;

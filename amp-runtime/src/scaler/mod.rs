@@ -194,6 +194,10 @@ impl GradScaler {
     /// gradient by the scale in place in one multi-tensor pass that also finds inf/NaN. Unscaling
     /// happens in f32, never in fp16, where small unscaled gradients would flush to zero. A disabled
     /// scaler re-keys and, when guarded, only checks. Parameters without a gradient are ignored.
+    ///
+    /// # Errors
+    /// [`Error::Fp16Unscale`] for an fp16 gradient with no fp32 master (O3 fp16) at a scale other than
+    /// 1, changing nothing; [`Error::SplitGradient`] and candle's errors otherwise.
     pub fn unscale<M: AmpModule + ?Sized>(&self, model: &M, grads: &mut GradStore) -> Result<Unscaled> {
         self.expect_settled("unscale")?;
         crate::grads_to_masters(model, grads)?;
@@ -203,6 +207,11 @@ impl GradScaler {
             .filter_map(|(path, p)| grads.get(p.master().as_tensor()).map(|g| (path.as_str(), g)))
             .collect();
         let tensors: Vec<&Tensor> = present.iter().map(|(_, g)| *g).collect();
+        if self.enabled && self.state.scale != 1.0 {
+            if let Some((path, _)) = present.iter().find(|(_, g)| g.dtype() == DType::F16) {
+                return Err(Error::Fp16Unscale { path: (*path).to_string(), scale: self.state.scale });
+            }
+        }
         let first = if self.enabled {
             crate::passes::unscale_and_check(&tensors, 1.0 / self.state.scale)?
         } else if self.finite_guard {
@@ -285,6 +294,12 @@ impl GradScaler {
 ///
 /// Calling it on a model with a layer fixed to fp16 (or `half`), at any depth, does not compile: see
 /// the `compile_fail` example in the `amp` crate's documentation and `ui-tests/tests/ui/loss_scaling`.
+/// A layer without an attribute computes in its opt level's half type, known only at run time: when
+/// that is fp16, the step is refused.
+///
+/// # Errors
+/// [`Error::NeedsLossScaler`] when a layer computes in fp16 (nothing is changed); those of
+/// [`GradScaler::step`].
 pub fn step_unscaled<M>(
     model: &M,
     loss: &Tensor,
@@ -293,5 +308,8 @@ pub fn step_unscaled<M>(
 where
     M: AmpModule + crate::NoFp16Under<crate::Inherit> + ?Sized,
 {
+    if let Some(row) = model.precision_plan().rows.iter().find(|r| r.compute == crate::Precision::Fp16) {
+        return Err(Error::NeedsLossScaler { path: row.path.clone() });
+    }
     GradScaler::disabled().with_finite_guard(true).step(model, loss, apply)
 }

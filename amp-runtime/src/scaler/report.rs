@@ -138,6 +138,13 @@ impl SkipLog {
         self.summarise(report.step, report.scale_after);
     }
 
+    /// Starts a new window at `step` (a restored state's count, which may be behind the window's start).
+    pub(crate) fn restart(&mut self, step: u64) {
+        self.window_start = step;
+        self.skips = 0;
+        self.last = None;
+    }
+
     /// Counts the skips of deferred steps, read at once (`step` is the scaler's count after them).
     #[cfg(feature = "cuda")]
     pub(crate) fn record_settled(&mut self, settled: &super::Settled, step: u64) {

@@ -22,8 +22,6 @@ const OPTIMIZER_FAILED: usize = (i32::MAX - 1) as usize;
 /// What a deferred step checks on the device besides the loss.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum GradCheck {
-    /// Nothing (a disabled scaler without its finite guard).
-    None,
     /// Every gradient for inf / NaN (read only).
     Finite,
     /// The global norm, which is the check too, and clipping to this norm.
@@ -158,7 +156,6 @@ impl QueuedScaler {
         let table = LaunchTable::new(&[&addresses], &lens, &kinds, CHUNK_ELEMENTS).map_err(cuda_error)?;
         let table = DeviceTable::upload(stream, table).map_err(cuda_error)?;
         match check {
-            GradCheck::None => {}
             // SAFETY: the table holds the gradients' addresses (and a null, empty stand-in at 0), live
             // until the step's kernels ran; read only.
             GradCheck::Finite => {
