@@ -178,3 +178,38 @@ fn two_writers_saving_to_one_path_never_mix_their_files() -> amp::Result<()> {
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }
+
+/// Two training states under one key (two scalers left with the default name, or a key and its own
+/// folder) are refused before anything is written or loaded: one would have been saved or restored as
+/// the other, without a word.
+#[test]
+fn two_states_under_one_key_are_refused_on_save_and_load() -> amp::Result<()> {
+    use amp::checkpoint::TrainingState;
+    use amp::scaler::ScalerConfig;
+    use amp::GradScaler;
+    let varmap = VarMap::new();
+    let mut model = net(&varmap)?;
+    amp::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
+    let path = tmp("shared-key");
+    let scaler = |scale: f32, name: &str| GradScaler::new(ScalerConfig::fixed(scale)).map(|s| s.named(name));
+    let (mut g, mut d) = (scaler(8.0, "scaler")?, scaler(1024.0, "scaler")?);
+    let err = amp::checkpoint::save_with(&model, &[&g, &d], &path).expect_err("refused").to_string();
+    assert!(err.contains("share the checkpoint key `scaler`") && err.contains(".named("), "{err}");
+    assert!(!path.exists(), "nothing written");
+    let (mut a, mut ab) = (scaler(8.0, "a")?, scaler(1024.0, "a/b")?);
+    assert!(amp::checkpoint::save_with(&model, &[&ab, &a], &path).is_err(), "a key and its folder");
+    // Saved under distinct names, the same file cannot be loaded into two states of one name.
+    let (g2, d2) = (scaler(8.0, "g")?, scaler(1024.0, "d")?);
+    amp::checkpoint::save_with(&model, &[&g2, &d2], &path)?;
+    let states: [&mut dyn TrainingState; 2] = [&mut g, &mut d];
+    let err = amp::checkpoint::load_with(&mut model, &mut states.into_iter().collect::<Vec<_>>(), &path)
+        .expect_err("refused")
+        .to_string();
+    assert!(err.contains("share the checkpoint key"), "{err}");
+    let states: [&mut dyn TrainingState; 2] = [&mut a, &mut ab];
+    assert!(
+        amp::checkpoint::load_with(&mut model, &mut states.into_iter().collect::<Vec<_>>(), &path).is_err()
+    );
+    std::fs::remove_file(&path).ok();
+    Ok(())
+}

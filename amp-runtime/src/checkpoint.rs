@@ -156,6 +156,7 @@ pub(crate) fn save_with_masters<M: AmpModule + ?Sized>(
     for (name, buffer) in model.named_buffers() {
         tensors.push((name, buffer.as_tensor().to_dtype(DType::F32)?));
     }
+    distinct_keys(states.iter().map(|s| s.state_key()))?;
     let mut metadata = HashMap::new();
     for state in states {
         let key = state.state_key();
@@ -222,6 +223,7 @@ pub fn load_with_options<M: AmpModule + ?Sized>(
     let mut tensors =
         candle_core::safetensors::load_buffer(&bytes, &device).map_err(|e| unreadable(Box::new(e)))?;
     drop(bytes);
+    distinct_keys(states.iter().map(|s| s.state_key()))?;
     let saved = take_states(states, &metadata, &mut tensors, path)?;
 
     let params = model.named_params();
@@ -253,6 +255,20 @@ pub fn load_with_options<M: AmpModule + ?Sized>(
         state.restore_state(one)?;
     }
     crate::CastCache::clear();
+    Ok(())
+}
+
+/// Refuses two states with the same key, or one whose key is a folder of another's (`a`, `a/b`): their
+/// JSON or tensors would land on each other's.
+fn distinct_keys(keys: impl Iterator<Item = String>) -> Result<()> {
+    let keys: Vec<String> = keys.collect();
+    let covers =
+        |a: &str, b: &str| b.strip_prefix(a).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+    for (i, a) in keys.iter().enumerate() {
+        if let Some(b) = keys[i + 1..].iter().find(|b| covers(a, b) || covers(b, a)) {
+            return Err(Error::CheckpointStateKeys { key: a.min(b).clone() });
+        }
+    }
     Ok(())
 }
 

@@ -78,6 +78,17 @@ pub enum Error {
         #[source]
         source: safetensors::SafeTensorError,
     },
+    /// Two training states handed to one save or load with the same checkpoint key (one key the other's
+    /// folder, `a` and `a/b`, counts too): one would take the other's place.
+    #[error(
+        "two training states share the checkpoint key `{key}`, so one would be saved or restored as the \
+         other; nothing was written or loaded: give each its own name with `.named(..)` (for example \
+         `GradScaler::named(\"scaler_d\")`, `FusedAdamW::named(\"adam_d\")`)"
+    )]
+    CheckpointStateKeys {
+        /// The shared key.
+        key: String,
+    },
     /// A training state was asked for that the checkpoint does not hold; nothing was loaded.
     #[error(
         "checkpoint {} refused, the model is unchanged: it holds no `{key}` state (was it saved with \
