@@ -92,6 +92,21 @@ impl fmt::Display for CheckpointProblems {
         for problem in &self.0 {
             write!(f, "\n  - {problem}")?;
         }
+        let layout = |p: &CheckpointProblem| {
+            matches!(
+                p,
+                CheckpointProblem::Missing { .. }
+                    | CheckpointProblem::Unexpected { .. }
+                    | CheckpointProblem::Shape { .. }
+            )
+        };
+        if self.0.iter().any(layout) {
+            write!(
+                f,
+                "\n  the names and shapes are the model's: load the file into the model it was saved from, \
+                 built with the same sizes (a renamed field renames its parameters)"
+            )?;
+        }
         Ok(())
     }
 }

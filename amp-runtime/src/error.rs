@@ -61,7 +61,11 @@ pub enum Error {
     },
     /// A checkpoint is not a readable safetensors file (damaged, truncated, another format); nothing
     /// was loaded.
-    #[error("checkpoint {} refused, the model is unchanged: not a readable safetensors file: {source}", path.display())]
+    #[error(
+        "checkpoint {} refused, the model is unchanged: not a readable safetensors file ({source}); \
+         if it was one, it is damaged: resume from an earlier checkpoint or a copy",
+        path.display()
+    )]
     CheckpointUnreadable {
         /// The file.
         path: std::path::PathBuf,

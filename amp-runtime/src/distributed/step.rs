@@ -79,7 +79,9 @@ impl<'c> DataParallel<'c> {
     }
 
     /// [`broadcast_masters`] over this group: call once after `amp::initialize` and before the first
-    /// step (and after loading a checkpoint on rank 0 only).
+    /// step. To resume, load the checkpoint (model, optimizer and scaler) on every rank: the masters
+    /// alone from rank 0 would leave the other ranks' optimizer and scaler states fresh, and the ranks
+    /// would diverge at the first step.
     pub fn broadcast_masters<M: AmpModule + ?Sized>(&self, model: &M) -> Result<()> {
         broadcast_masters(self.comm, model)
     }
