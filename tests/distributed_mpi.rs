@@ -16,7 +16,7 @@ use amp::distributed::{
 use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
 use amp::scaler::{ScalerConfig, SkipReason};
 use amp::{AmpModuleExt, GradScaler, Precision};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use half::{bf16, f16};
 use mpi_launch::{on_ranks, Outcome};
 use mpi_training::{lockstep, masters, mlp, Kind, Optimizer};
@@ -301,6 +301,44 @@ fn data_parallel_steps_agree_on_every_skip_and_keep_replicas_identical() -> Outc
             mine, root,
             "rank {rank}: masters, working copies, optimizer and scaler differ from rank 0's"
         );
+        Ok(())
+    })
+}
+
+/// A step in which one rank's loss does not reach some parameters (a data-dependent branch) is refused
+/// on every rank before any gradient is summed, with the weights and states unchanged, where the
+/// buckets had summed one parameter's values into another's; the next full step trains on, in step.
+#[test]
+fn a_step_where_the_ranks_hold_different_gradients_is_refused_on_every_rank() -> Outcome {
+    let test = "a_step_where_the_ranks_hold_different_gradients_is_refused_on_every_rank";
+    on_ranks(test, 2, |comm| {
+        let rank = comm.rank();
+        let net = fp16_net(6, 24, 3, 40)?;
+        let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
+        dp.broadcast_masters(&net)?;
+        let mut adam = FusedAdamW::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+        let mut scaler = GradScaler::new(ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+        for step in 0..3u64 {
+            let (x, y) = reliability::batch(step * 2 + rank as u64, 8, 6, 3)?;
+            let before = reliability::snapshot(&net, &[&adam, &scaler])?;
+            if step == 1 {
+                // Rank 1's loss stops at the hidden layer: `out` gets no gradient there.
+                let loss = match rank {
+                    1 => net.hidden.forward(&x)?.sqr()?.mean_all()?,
+                    _ => reliability::mse(&net, &x, &y)?,
+                };
+                let err = dp.step_fused(&mut scaler, &loss, &mut adam, Some(1.0)).expect_err("refused");
+                let message = err.to_string();
+                assert!(message.contains("different parameters") && message.contains("Zero1"), "{message}");
+                assert_eq!(reliability::snapshot(&net, &[&adam, &scaler])?, before, "rank {rank}: changed");
+                continue;
+            }
+            let report =
+                dp.step_fused(&mut scaler, &reliability::mse(&net, &x, &y)?, &mut adam, Some(1.0))?;
+            assert!(report.applied(), "rank {rank}, step {step}: {report}");
+        }
+        let (mine, root) = checksums(comm, &reliability::snapshot(&net, &[&adam, &scaler])?)?;
+        assert_eq!(mine, root, "rank {rank}: the replicas differ");
         Ok(())
     })
 }

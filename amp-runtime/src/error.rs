@@ -262,6 +262,21 @@ pub enum Error {
     },
 
     // ---- data-parallel training ----
+    /// The ranks of a data-parallel step hold gradients for different parameters: their buckets would
+    /// sum one parameter's values into another's, and the replicas would step different parameters.
+    #[error(
+        "rank {rank}: the ranks hold gradients for different parameters this step (this rank has {count}); \
+         nothing was changed. A parameter that some rank's batch did not reach (a data-dependent \
+         branch, an expert no token was routed to) has no gradient there: give it one on every rank \
+         (add 0 times its output to the loss), freeze it on every rank, or use `Zero1`, which counts a \
+         missing gradient as zeros"
+    )]
+    GradientsDiffer {
+        /// This rank.
+        rank: usize,
+        /// How many gradients this rank holds.
+        count: usize,
+    },
     /// An MPI entry point in a build without the `mpi` feature.
     #[error(
         "amp was built without MPI: enable the `mpi` feature of `amp` (it needs an MPI library with `mpicc`, \

@@ -283,6 +283,31 @@ fn slice_len(slice: &GradSliceMut<'_>) -> usize {
     }
 }
 
+/// Errors on every rank unless every rank holds gradients for the same parameters (`paths`, in the
+/// order they are reduced): two MAX all-reduces of one word, a hash of the names and its complement,
+/// which give back this rank's own only when every rank's hash is the same.
+pub(crate) fn agree_same_parameters<'p>(
+    comm: &dyn Communicator,
+    paths: impl Iterator<Item = &'p str>,
+) -> Result<()> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    // FNV-1a over the names, each ended by a zero byte.
+    let (mut hash, mut count) = (0x811c_9dc5u32, 0);
+    for path in paths {
+        count += 1;
+        for byte in path.bytes().chain([0]) {
+            hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+        }
+    }
+    let (max, max_complement) = (comm.all_reduce_max_u32(hash)?, comm.all_reduce_max_u32(!hash)?);
+    if (max, max_complement) != (hash, !hash) {
+        return Err(Error::GradientsDiffer { rank: comm.rank(), count });
+    }
+    Ok(())
+}
+
 /// Whether any rank found a non-finite value (`local` on this rank), and the lowest rank that did: one
 /// MAX all-reduce of one word, so every rank takes the same decision. The word carries
 /// `world_size - rank` for a rank that found one, 0 otherwise: the largest names the lowest rank.

@@ -5,7 +5,9 @@ use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
 use super::communicator::Communicator;
-use super::data_parallel::{agree_lowest, all_reduce_gradients, broadcast_masters, DataParallelConfig};
+use super::data_parallel::{
+    agree_lowest, agree_same_parameters, all_reduce_gradients, broadcast_masters, DataParallelConfig,
+};
 use crate::error::Result;
 use crate::optim::FusedOptimizer;
 use crate::scaler::stages::{Findings, StepStages};
@@ -116,6 +118,8 @@ impl StepStages for DataParallel<'_> {
         present: &[&Tensor],
         path: &dyn Fn(usize) -> String,
     ) -> Result<Option<String>> {
+        let paths: Vec<String> = (0..present.len()).map(path).collect();
+        agree_same_parameters(self.comm, paths.iter().map(String::as_str))?;
         // This rank's own check first, so that the report can name the rank that produced a non-finite
         // value: after the sum every rank holds it.
         let own = crate::passes::find_non_finite(present)?.map(path);
