@@ -374,6 +374,20 @@ fn load_on_three_ranks(comm: &Mpi, dir: &std::path::Path) -> Outcome {
     zero.shard_masters(&mut net)?;
     let mut optimizer = Optimizer::new(Kind::Lamb, zero.local_groups())?;
     let mut scaler = scaler(&net)?;
+    // A file whose last optimizer tensor is damaged (labelled i32) fails on the rank that owns that
+    // tensor only; every rank refuses it then, and none changes (the others had loaded it).
+    let damaged = dir.join("damaged.safetensors");
+    if comm.rank() == 0 {
+        std::fs::write(
+            &damaged,
+            with_last_state_tensor_as_i32(&std::fs::read(dir.join("zero2.safetensors"))?)?,
+        )?;
+    }
+    comm.barrier()?;
+    let before = reliability::snapshot(&net, &[optimizer.state(), &scaler])?;
+    let refused = zero.load_checkpoint(&mut net, &mut [optimizer.state_mut(), &mut scaler], &damaged);
+    assert!(refused.is_err(), "rank {}: a damaged file loaded", comm.rank());
+    assert_eq!(reliability::snapshot(&net, &[optimizer.state(), &scaler])?, before, "rank {}", comm.rank());
     zero.load_checkpoint(&mut net, &mut [optimizer.state_mut(), &mut scaler], dir.join("zero2.safetensors"))?;
     let per_rank = gather(comm, optimizer.state_bytes())?;
     let unsharded = 2 * 4 * net.named_params().iter().map(|(_, p)| p.elem_count()).sum::<usize>();
@@ -383,4 +397,21 @@ fn load_on_three_ranks(comm: &Mpi, dir: &std::path::Path) -> Outcome {
     }
     zero.save_checkpoint(&net, optimizer.state(), &[&scaler], dir.join("zero3.safetensors"))?;
     Ok(())
+}
+
+/// A safetensors file with its last (by name) `amp_state/` tensor relabelled from f32 to i32: the same
+/// bytes, a dtype its owner refuses (and no float for the non-finite scan of every rank to trip on).
+fn with_last_state_tensor_as_i32(bytes: &[u8]) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
+    let n = u64::from_le_bytes(bytes[..8].try_into()?) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n])?;
+    let table = header.as_object_mut().ok_or("a header object")?;
+    let name =
+        table.keys().filter(|name| name.starts_with("amp_state/")).max().ok_or("a state tensor")?.clone();
+    assert_eq!(table[&name]["dtype"], "F32", "{name}");
+    table[&name]["dtype"] = "I32".into();
+    let text = header.to_string();
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    Ok(out)
 }

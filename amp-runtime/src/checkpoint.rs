@@ -222,7 +222,24 @@ pub fn load_with_options<M: AmpModule + ?Sized>(
     path: impl AsRef<Path>,
     options: LoadOptions,
 ) -> Result<()> {
-    let path = path.as_ref();
+    let staged = stage(model, states, path.as_ref(), options)?;
+    apply(model, states, staged)
+}
+
+/// A checkpoint read and checked against a model and its states, not yet applied to them.
+pub(crate) struct Staged {
+    tensors: HashMap<String, Tensor>,
+    saved: Vec<SavedState>,
+}
+
+/// Reads `path` and checks it against `model` and `states` as [`load_with_options`] does, changing
+/// nothing: what [`apply`] then writes (ZeRO-1's ranks all stage before any of them applies).
+pub(crate) fn stage<M: AmpModule + ?Sized>(
+    model: &M,
+    states: &[&mut dyn TrainingState],
+    path: &Path,
+    options: LoadOptions,
+) -> Result<Staged> {
     let unreadable = |source: Box<dyn std::error::Error + Send + Sync>| Error::CheckpointUnreadable {
         path: path.to_path_buf(),
         source,
@@ -241,9 +258,7 @@ pub fn load_with_options<M: AmpModule + ?Sized>(
     distinct_keys(states.iter().map(|s| s.state_key()))?;
     let saved = take_states(states, &metadata, &mut tensors, path)?;
 
-    let params = model.named_params();
-    let buffers = model.named_buffers();
-    let mut problems = check(&params, &buffers, &tensors);
+    let mut problems = check(&model.named_params(), &model.named_buffers(), &tensors);
     if !options.allow_non_finite {
         let state_tensors = states.iter().zip(&saved).flat_map(|(state, one)| {
             let key = state.state_key();
@@ -258,12 +273,21 @@ pub fn load_with_options<M: AmpModule + ?Sized>(
             problems: CheckpointProblems(problems),
         });
     }
-    for (name, param) in &params {
+    Ok(Staged { tensors, saved })
+}
+
+/// Writes a [`stage`]d checkpoint into the model and the states it was checked against.
+pub(crate) fn apply<M: AmpModule + ?Sized>(
+    model: &mut M,
+    states: &mut [&mut dyn TrainingState],
+    Staged { tensors, saved }: Staged,
+) -> Result<()> {
+    for (name, param) in &model.named_params() {
         // Exact for fp32 masters; O3 models, which keep no fp32 copy, round into their half storage.
         param.master().set(&tensors[name].to_dtype(param.master().dtype())?)?;
         param.refresh_working()?;
     }
-    for (name, buffer) in &buffers {
+    for (name, buffer) in &model.named_buffers() {
         buffer.set(&tensors[name].to_dtype(buffer.dtype())?)?;
     }
     for (state, one) in states.iter_mut().zip(saved) {

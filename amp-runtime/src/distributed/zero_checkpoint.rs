@@ -99,8 +99,9 @@ impl Zero1<'_> {
     /// Loads a checkpoint written by [`save_checkpoint`](Self::save_checkpoint) (by any number of ranks)
     /// on every rank, with [`checkpoint::load_with`](crate::checkpoint::load_with): `model` and `states`,
     /// among them this rank's optimizer (built from [`local_groups`](Self::local_groups): it takes the
-    /// entries of the tensors it owns and leaves the others'). A collective: the ranks agree, so all load
-    /// or all fail.
+    /// entries of the tensors it owns and leaves the others'). A collective: every rank reads and checks
+    /// the file, and only when all of them can load it does any change its model and states; otherwise
+    /// all fail with nothing changed.
     ///
     /// # Errors
     /// The load error on the ranks that failed, and [`Error::ZeroShard`] naming the lowest on the others.
@@ -110,13 +111,17 @@ impl Zero1<'_> {
         states: &mut [&mut dyn TrainingState],
         path: impl AsRef<Path>,
     ) -> Result<()> {
-        let loaded = crate::checkpoint::load_with(model, states, path.as_ref());
-        match (agree_non_finite(self.communicator(), loaded.is_err())?, loaded) {
-            (None, loaded) => loaded,
-            (Some(_), Err(e)) => Err(e),
-            (Some(rank), Ok(())) => Err(Error::ZeroShard {
+        // Every rank reads and checks the file first (its optimizer checks the tensors it owns); only
+        // when all of them can load it does any of them change its model and states.
+        let options = crate::checkpoint::LoadOptions::default();
+        let staged = crate::checkpoint::stage(model, states, path.as_ref(), options);
+        match (agree_non_finite(self.communicator(), staged.is_err())?, staged) {
+            (None, Ok(staged)) => crate::checkpoint::apply(model, states, staged),
+            (_, Err(e)) => Err(e),
+            (Some(rank), Ok(_)) => Err(Error::ZeroShard {
                 reason: format!(
-                    "rank {rank} could not load {}: its error says why (every rank must reach the file)",
+                    "rank {rank} could not load {}: its error says why (every rank must reach the file); \
+                     nothing was changed on any rank",
                     path.as_ref().display()
                 ),
             }),
