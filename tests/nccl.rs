@@ -107,15 +107,18 @@ fn device_tensors_are_summed_and_broadcast_in_place() -> amp::Result<()> {
     let nccl = Nccl::single(&device)?;
     let collectives: &dyn DeviceCollectives = nccl.device_collectives().expect("NCCL moves device memory");
     let host = vec![1.0f32, -2.5, 3.0e-3, 1.0 + 2f32.powi(-10), -7.0e4];
-    for dtype in [DType::F32, DType::F16, DType::BF16] {
+    for (dtype, scale) in [DType::F32, DType::F16, DType::BF16].into_iter().flat_map(|d| [(d, 1.0), (d, 0.5)])
+    {
         for wire in [Wire::F32, Wire::Bf16, Wire::F16] {
             let tensor = Tensor::new(host.as_slice(), &device)?.to_dtype(dtype)?;
             let before: Vec<f32> = tensor.to_dtype(DType::F32)?.to_vec1()?;
-            collectives.all_reduce_sum_tensors(&[&tensor], wire)?;
+            collectives.all_reduce_sum_tensors(&[&tensor], wire, scale)?;
             let after: Vec<f32> = tensor.to_dtype(DType::F32)?.to_vec1()?;
-            // One rank: the sum is the value, rounded through the wire's type and back to the dtype.
+            // One rank: the sum is the value, rounded through the wire's type, scaled in f32 and
+            // rounded back to the dtype.
             let mut want = before.clone();
             SingleProcess::new().all_reduce_sum(&mut want, wire)?;
+            want.iter_mut().for_each(|v| *v *= scale);
             let want: Vec<f32> = Tensor::new(want.as_slice(), &Device::Cpu)?
                 .to_dtype(dtype)?
                 .to_dtype(DType::F32)?
@@ -123,7 +126,7 @@ fn device_tensors_are_summed_and_broadcast_in_place() -> amp::Result<()> {
             assert_eq!(
                 after.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "{dtype:?} over a {wire:?} wire"
+                "{dtype:?} over a {wire:?} wire, scale {scale}"
             );
             collectives.broadcast_tensors(&[&tensor], 0)?;
             assert_eq!(tensor.to_dtype(DType::F32)?.to_vec1::<f32>()?, after);
@@ -131,7 +134,7 @@ fn device_tensors_are_summed_and_broadcast_in_place() -> amp::Result<()> {
     }
     let on_cpu = Tensor::new(host.as_slice(), &Device::Cpu)?;
     assert!(matches!(
-        collectives.all_reduce_sum_tensors(&[&on_cpu], Wire::F32),
+        collectives.all_reduce_sum_tensors(&[&on_cpu], Wire::F32, 1.0),
         Err(amp::Error::Nccl { .. })
     ));
     // A host-only communicator refuses CUDA gradients and says what to use instead.

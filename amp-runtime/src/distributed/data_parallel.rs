@@ -181,10 +181,11 @@ pub fn all_reduce_gradients(
     crate::storage::for_each_batch_mut(grads, |slices| bucket.reduce_all(slices))?.into_iter().collect()
 }
 
-/// [`all_reduce_gradients`] on CUDA tensors: the pre-divide and the final scaling by amp's unscale
-/// kernel, in place, around one grouped sum per wire dtype. (A half gradient is rounded to its dtype
-/// after the pre-divide, which the host path's f32 staging does not do; with the default factor 1
-/// there is no pre-divide.)
+/// [`all_reduce_gradients`] on CUDA tensors: the pre-divide by amp's unscale kernel, in place, then
+/// one grouped sum per wire dtype that applies the final scaling before a converted copy goes back into
+/// its gradient (an fp16 gradient's average, not its sum, is what must fit fp16, as on the host path).
+/// (A half gradient is rounded to its dtype after the pre-divide, which the host path's f32 staging
+/// does not do; with the default factor 1 there is no pre-divide.)
 fn all_reduce_device_gradients(
     device: &dyn DeviceCollectives,
     grads: &[&Tensor],
@@ -195,11 +196,7 @@ fn all_reduce_device_gradients(
     if before != 1.0 {
         crate::passes::unscale_and_check(grads, before)?;
     }
-    device.all_reduce_sum_tensors(grads, config.wire)?;
-    if after != 1.0 {
-        crate::passes::unscale_and_check(grads, after)?;
-    }
-    Ok(())
+    device.all_reduce_sum_tensors(grads, config.wire, after)
 }
 
 /// The device collectives of `comm`, or the error that says which communicator has them.

@@ -387,7 +387,7 @@ impl Nccl {
 }
 
 impl DeviceCollectives for Nccl {
-    fn all_reduce_sum_tensors(&self, tensors: &[&Tensor], wire: Wire) -> Result<()> {
+    fn all_reduce_sum_tensors(&self, tensors: &[&Tensor], wire: Wire, scale: f32) -> Result<()> {
         let wire_dtype = match wire {
             Wire::F32 => candle_core::DType::F32,
             Wire::Bf16 => candle_core::DType::BF16,
@@ -395,10 +395,12 @@ impl DeviceCollectives for Nccl {
         };
         // A tensor of another dtype than the wire's travels as a converted copy, written back after.
         let mut copies: Vec<(usize, Tensor)> = Vec::new();
+        let mut in_place: Vec<&Tensor> = Vec::new();
         let mut targets = Vec::with_capacity(tensors.len());
         for (index, tensor) in tensors.iter().enumerate() {
             if tensor.dtype() == wire_dtype {
                 targets.push(self.device_view(tensor)?);
+                in_place.push(tensor);
             } else {
                 let copy = tensor.to_dtype(wire_dtype)?;
                 targets.push(self.device_view(&copy)?);
@@ -414,8 +416,16 @@ impl DeviceCollectives for Nccl {
             // kept alive (the tensors or their copies) until the stream has run the collective.
             unsafe { result::all_reduce(at, at, t.len, nccl_type(t.dtype), SUM, comm, stream) }
         })?;
+        if scale != 1.0 && !in_place.is_empty() {
+            // Multiplied in f32 and rounded once into each tensor's dtype.
+            crate::passes::unscale_and_check(&in_place, scale)?;
+        }
         for (index, copy) in copies {
-            self.copy_into(tensors[index], &copy.to_dtype(tensors[index].dtype())?)?;
+            let sum = match scale {
+                1.0 => copy,
+                _ => (copy.to_dtype(candle_core::DType::F32)? * f64::from(scale))?,
+            };
+            self.copy_into(tensors[index], &sum.to_dtype(tensors[index].dtype())?)?;
         }
         Ok(())
     }
