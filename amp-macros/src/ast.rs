@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 
 use proc_macro2::{Delimiter, Spacing, TokenStream, TokenTree};
 use quote::ToTokens;
+use syn::ext::IdentExt;
 use syn::{Data, DeriveInput, Generics, Ident, Member, Type};
 
 use crate::attr::Attrs;
@@ -66,8 +67,10 @@ impl<'a> Input<'a> {
                     Some(ident) => Member::Named(ident.clone()),
                     None => Member::Unnamed(index.into()),
                 };
+                // The name a parameter path carries: `r#type` is the field `type`, as candle-nn's
+                // `vb.pp("type")` names it.
                 let name = match &field.ident {
-                    Some(ident) => ident.to_string(),
+                    Some(ident) => ident.unraw().to_string(),
                     None => index.to_string(),
                 };
                 Field {

@@ -5,7 +5,7 @@
 use proc_macro2::{Span, TokenTree};
 use syn::meta::ParseNestedMeta;
 use syn::spanned::Spanned;
-use syn::{Attribute, Expr, Ident, Lit, Meta, Token};
+use syn::{Attribute, Expr, Ident, Lit, MacroDelimiter, Meta, Token};
 
 use crate::check::Ctxt;
 use crate::symbol::{Precision, AMP, DEFAULT, SKIP, SPELLINGS_HELP};
@@ -39,11 +39,25 @@ impl Attrs {
         for attr in attrs.iter().filter(|attr| attr.path() == &AMP) {
             out.spans.push(attr.span());
             match &attr.meta {
+                Meta::List(list) if !matches!(list.delimiter, MacroDelimiter::Paren(_)) => cx
+                    .error_spanned_by(
+                        attr,
+                        "`#[amp]` takes its arguments in parentheses: `#[amp(fp16)]` or `#[amp(skip)]` on a \
+                     field, `#[amp(default = bf16)]` on the struct",
+                    ),
                 Meta::List(list) if list.tokens.is_empty() => cx.error_spanned_by(
                     attr,
                     "empty `#[amp()]`; write a precision such as `#[amp(fp16)]` or `#[amp(skip)]` on a \
                      field, `#[amp(default = bf16)]` on the struct, or remove the attribute",
                 ),
+                Meta::List(list) if leading_string(&list.tokens).is_some() => {
+                    let literal = leading_string(&list.tokens).expect("checked by the guard");
+                    let word = literal.to_string().trim_matches('"').to_string();
+                    cx.error_spanned_by(
+                        literal,
+                        format!("precisions are words, not strings: write `#[amp({word})]`, without quotes"),
+                    );
+                }
                 Meta::List(_) => {
                     if let Err(err) = attr.parse_nested_meta(|meta| out.parse_entry(cx, meta)) {
                         cx.syn_error(err);
@@ -90,8 +104,15 @@ impl Attrs {
                     ),
                 ),
             }
+        } else if let Some(ident) = meta.path.get_ident().filter(|i| Precision::from_spelling(i).is_some()) {
+            // #[amp(fp16 = true)], #[amp(fp16(x))]: a precision given a value
+            skip_value(&meta)?;
+            cx.error_spanned_by(
+                &meta.path,
+                format!("the precision `{ident}` takes no value; write `#[amp({ident})]`"),
+            );
         } else {
-            // #[amp(precision = fp16)], #[amp(a::b)], #[amp(fp16(x))]: not part of the grammar
+            // #[amp(precision = fp16)], #[amp(a::b)]: not part of the grammar
             let value = skip_value(&meta)?;
             let key = path_text(&meta.path);
             let message = match value.as_ref().and_then(precision_ident) {
@@ -222,4 +243,12 @@ fn precision_ident(expr: &Expr) -> Option<&Ident> {
 fn path_text(path: &syn::Path) -> String {
     let segments: Vec<String> = path.segments.iter().map(|segment| segment.ident.to_string()).collect();
     segments.join("::")
+}
+
+/// The string literal an attribute's arguments start with (`#[amp("fp16")]`), if they do.
+fn leading_string(tokens: &proc_macro2::TokenStream) -> Option<proc_macro2::Literal> {
+    match tokens.clone().into_iter().next() {
+        Some(TokenTree::Literal(literal)) if literal.to_string().starts_with('"') => Some(literal),
+        _ => None,
+    }
 }
