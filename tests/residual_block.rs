@@ -57,7 +57,8 @@ fn forward_backward(config: AmpConfig) -> Result<(Tensor, Vec<(String, Tensor)>)
     let mut block = block()?;
     amp::initialize(&mut block, config).map_err(candle_core::Error::from)?;
     let inputs = common::random_weights(11, &[("x", &[16, WIDTH], 1.0), ("r", &[16, WIDTH], 1.0)])?;
-    // The model's activations enter in its activation dtype (f32 except at O3), as Apex casts inputs.
+    // The model's activations enter in its activation dtype: f32 except at O3 (amp's O1 and O2 keep
+    // activations f32 between layers, where Apex O2 casts the inputs to half: README, "Precision levels").
     let x = inputs["x"].to_dtype(config.activation_precision().dtype())?;
     let y = block.forward(&x)?;
     assert_eq!(y.dtype(), x.dtype(), "the residual add keeps the activation dtype");

@@ -91,12 +91,16 @@ impl fmt::Display for Policy {
 
 /// Apex's optimisation levels.
 ///
-/// | level | parameters | compute of half-safe layers | fp32 masters | norms | loss scale |
-/// |---|---|---|---|---|---|
-/// | O0 | fp32 | fp32 (attributes ignored: the baseline) | no | fp32 | none |
-/// | O1 | fp32 | half, weights cast at use | (params are fp32) | fp32 | dynamic |
-/// | O2 | half working copies | half | yes | fp32 | dynamic |
-/// | O3 | half | half | no | fp32 (amp never runs norms in half) | static 1.0 |
+/// | level | parameters | compute of half-safe layers | layer outputs | fp32 masters | norms | loss scale |
+/// |---|---|---|---|---|---|---|
+/// | O0 | fp32 | fp32 (attributes ignored: the baseline) | fp32 | no | fp32 | none |
+/// | O1 | fp32 | half, weights cast at use | fp32 | (params are fp32) | fp32 | dynamic |
+/// | O2 | half working copies | half | fp32 | yes | fp32 | dynamic |
+/// | O3 | half | half | half | no | fp32 (amp never runs norms in half) | static 1.0 |
+///
+/// Unlike Apex O2, which keeps activations half between layers and casts only the model's output, O1
+/// and O2 hand each half layer's output on in fp32 (the policy's `output`): elementwise ops and
+/// activation gradients stay f32, and only the products run in half.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum OptLevel {
     /// Pure fp32: the accuracy baseline.

@@ -104,13 +104,19 @@ impl GradScaler {
     }
 
     /// Enabled when some layer of `model` computes in fp16 now (after `amp::initialize`), disabled
-    /// otherwise (bf16 and fp32 have fp32's range).
+    /// otherwise (bf16 and fp32 have fp32's range). A model with fp16 parameters and no fp32 masters
+    /// (O3) gets a fixed scale of 1, Apex O3's: there is no fp32 copy to unscale its gradients into
+    /// (see [`unscale`](Self::unscale)); its non-finite steps are still skipped.
     pub fn for_model<M: AmpModule + ?Sized>(model: &M, config: ScalerConfig) -> Result<Self> {
-        if model.precision_plan().computes_in_fp16() {
-            GradScaler::new(config)
-        } else {
-            Ok(GradScaler::disabled())
+        let plan = model.precision_plan();
+        if !plan.computes_in_fp16() {
+            return Ok(GradScaler::disabled());
         }
+        let masterless = crate::ParamStorage::Half(crate::Precision::Fp16);
+        if plan.rows.iter().any(|row| row.storage == masterless) {
+            return GradScaler::new(ScalerConfig { at_floor: config.at_floor, ..ScalerConfig::fixed(1.0) });
+        }
+        GradScaler::new(config)
     }
 
     /// Turns the read-only non-finite check of a disabled scaler on or off (enabled scalers always check).
