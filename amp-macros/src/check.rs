@@ -1,8 +1,10 @@
 //! Rules on where each attribute belongs and which ones can go together, and the error context that
 //! collects every mistake so one compile reports all of them (serde's `Ctxt`).
 
+use std::collections::BTreeSet;
 use std::fmt::Display;
 
+use proc_macro2::{TokenStream, TokenTree};
 use quote::ToTokens;
 
 use crate::ast::{Field, Input};
@@ -63,10 +65,39 @@ pub fn check(cx: &mut Ctxt, input: &Input<'_>) {
     cx.at_struct();
     check_struct_attrs(cx, &input.attrs);
     check_generic_params(cx, input.generics);
+    let own_names: BTreeSet<String> = [input.ident.to_string(), "Self".to_string()].into();
     for (index, field) in input.fields.iter().enumerate() {
         cx.at_field(index);
         check_field_attrs(cx, field);
+        if field.attrs.skip.is_none() && names_unqualified(field.ty.to_token_stream(), &own_names) {
+            cx.error_spanned_by(
+                field.ty,
+                format!(
+                    "`{}` holds a `{ident}` inside a `{ident}`: a module's precision plan is a constant built \
+                     at compile time, which a recursive module cannot have; give the nested levels a type \
+                     of their own (`struct Level {{ .. }}`, `Vec<Level>`), or mark the field \
+                     `#[amp(skip)]` (its layers are then not part of the model)",
+                    field.name,
+                    ident = input.ident
+                ),
+            );
+        }
     }
+}
+
+/// Whether `tokens` name one of `names` as a path of its own (`Tree`, `Box<Self>`), not as the last
+/// segment of a longer path (`amp::nn::Linear` in a struct of the user's also named `Linear`).
+fn names_unqualified(tokens: TokenStream, names: &BTreeSet<String>) -> bool {
+    let mut after_colons = false;
+    tokens.into_iter().any(|token| {
+        let hit = match &token {
+            TokenTree::Ident(ident) => !after_colons && names.contains(&ident.to_string()),
+            TokenTree::Group(group) => names_unqualified(group.stream(), names),
+            TokenTree::Punct(_) | TokenTree::Literal(_) => false,
+        };
+        after_colons = matches!(&token, TokenTree::Punct(p) if p.as_char() == ':');
+        hit
+    })
 }
 
 /// `#[amp(default = ...)]` is the only attribute of a struct.

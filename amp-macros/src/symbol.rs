@@ -33,7 +33,8 @@ pub enum Precision {
 }
 
 /// Every accepted spelling and the precision it names. Must list exactly the spellings of
-/// `PrecisionSpec::SPELLINGS` in the runtime (a unit test below compares them).
+/// `PrecisionSpec::SPELLINGS` in the runtime (`ui-tests/tests/spellings.rs` checks that the derive's
+/// error for an unknown precision lists them).
 pub const SPELLINGS: &[(&str, Precision)] = &[
     ("fp32", Precision::Fp32),
     ("f32", Precision::Fp32),
