@@ -72,6 +72,13 @@ impl AdamConfig {
 /// Fused multi-tensor Adam / AdamW over fp32 masters with fp32 state. The config picks which:
 /// `FusedAdam::new(groups, AdamConfig::adamw())` (decoupled weight decay, the default) or
 /// `FusedAdam::new(groups, AdamConfig::adam())` (L2 penalty added to the gradient).
+///
+/// The bias correction counts the optimizer's applied steps, one count for every parameter, as Apex's
+/// `FusedAdam` counts per group, not each parameter's own steps as `torch.optim.Adam` does: a parameter
+/// that first receives a gradient after N steps (unfrozen part-way through training) takes its first
+/// update with step N + 1's correction, larger than torch's first update (about 2.5x for the default
+/// betas at N = 1000). To unfreeze parameters part-way with torch's first steps, give them an
+/// optimizer of their own, created when they are unfrozen.
 #[derive(Debug)]
 pub struct FusedAdam {
     /// State: `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (used with AMSGrad only).

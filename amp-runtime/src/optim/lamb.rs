@@ -63,6 +63,9 @@ impl LambConfig {
 }
 
 /// Fused multi-tensor LAMB over fp32 masters with fp32 state.
+///
+/// Its bias correction counts the optimizer's applied steps, as Apex's `FusedLAMB` counts per group:
+/// see [`FusedAdam`](super::FusedAdam) for what that means for parameters unfrozen part-way.
 #[derive(Debug)]
 pub struct FusedLamb {
     /// State: `exp_avg`, `exp_avg_sq`.

@@ -51,6 +51,11 @@ impl SgdConfig {
 }
 
 /// Fused multi-tensor SGD over fp32 masters with fp32 momentum buffers.
+///
+/// The momentum buffers start as the gradient (no dampening) on the optimizer's first applied step,
+/// as `torch.optim.SGD` starts each parameter's; a parameter whose first gradient comes later starts
+/// from a zero buffer, so its first update is `(1 - dampening)` times the gradient. To unfreeze
+/// parameters part-way with torch's first steps, give them an optimizer of their own.
 #[derive(Debug)]
 pub struct FusedSgd {
     /// State: `momentum_buffer` (used with momentum only).
