@@ -57,9 +57,14 @@ fn assemble(header: &Value, data: &[u8]) -> Vec<u8> {
     bytes
 }
 
-/// The real checkpoint with its header changed by `edit`.
+/// The real checkpoint with its header changed by `edit` and amp's checksum left out, as a file written
+/// by other code would be, so that the checks of what was edited are what refuses it (with the checksum
+/// in place, it refuses every edit first: `an_edit_under_the_checksum_is_refused`).
 fn edited(real: &[u8], edit: impl FnOnce(&mut Value)) -> Outcome<Vec<u8>> {
     let (mut header, data) = split(real)?;
+    if let Some(metadata) = header.get_mut("__metadata__").and_then(Value::as_object_mut) {
+        metadata.remove("amp_data_crc32");
+    }
     edit(&mut header);
     Ok(assemble(&header, &data))
 }
@@ -244,11 +249,14 @@ fn non_finite_cases(real: &[u8]) -> Outcome<Vec<Case>> {
         master.set(&Tensor::from_vec(values, master.shape(), &Device::Cpu)?)?;
         Ok(())
     })?;
-    let (header, mut data) = split(real)?;
+    let (mut header, mut data) = split(real)?;
     let moment =
         header.as_object().and_then(|h| h.keys().find(|k| k.ends_with("/exp_avg_sq"))).ok_or("a moment")?;
     let start = header[moment]["data_offsets"][0].as_u64().ok_or("an offset")? as usize;
     data[start..start + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    // Without the data's checksum, as a file written by other code would be: the scan of the values
+    // finds the inf (with it, the checksum refuses the edited data first: `data_flips`).
+    header["__metadata__"].as_object_mut().ok_or("metadata")?.remove("amp_data_crc32").ok_or("a checksum")?;
     Ok(vec![
         case("non_finite_master", nan_master, "holds 2 non-finite value(s)"),
         case("non_finite_moment", assemble(&header, &data), "exp_avg_sq` holds 1 non-finite value(s)"),
@@ -275,12 +283,27 @@ fn flips(real: &[u8]) -> Vec<Case> {
         .collect()
 }
 
+/// Every byte of the tensor data flipped, one at a time: the checksum saved in the header refuses each.
+fn data_flips(real: &[u8]) -> Vec<Case> {
+    let header_end = 8 + u64::from_le_bytes(real[..8].try_into().expect("8 bytes")) as usize;
+    (header_end..real.len())
+        .map(|i| {
+            let mut bytes = real.to_vec();
+            bytes[i] ^= 0x01;
+            case(&format!("data_flip_{i}"), bytes, "do not match the checksum saved with them")
+        })
+        .collect()
+}
+
 fn write_corpus(cases: &[Case], real: &[u8]) -> Outcome {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/checkpoint");
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("valid.safetensors"), real)?;
     // A sample of the flips keeps the corpus small; the fuzzer's merge adds what it finds.
-    for case in cases.iter().filter(|c| !c.name.starts_with("flip_") || c.name.ends_with("00")) {
+    let sampled = |c: &&Case| {
+        !(c.name.starts_with("flip_") || c.name.starts_with("data_flip_")) || c.name.ends_with("00")
+    };
+    for case in cases.iter().filter(sampled) {
         std::fs::write(dir.join(format!("{}.safetensors", case.name)), &case.bytes)?;
     }
     Ok(())
@@ -294,6 +317,9 @@ fn damaged_checkpoints_are_refused_with_the_file_and_the_problem_named() -> Outc
     cases.extend(state_cases(&real)?);
     cases.extend(non_finite_cases(&real)?);
     cases.extend(truncations(&real));
+    let data_flipped = data_flips(&real);
+    let data_flips_refused = data_flipped.len();
+    cases.extend(data_flipped);
     let mut refused = 0;
     for case in &cases {
         let message = refusal(&case.name, &case.bytes).unwrap_or_else(|| panic!("{}: loaded", case.name));
@@ -303,15 +329,32 @@ fn damaged_checkpoints_are_refused_with_the_file_and_the_problem_named() -> Outc
     let flipped = flips(&real);
     let flips_refused = flipped.iter().filter(|c| refusal(&c.name, &c.bytes).is_some()).count();
     println!(
-        "damaged checkpoints: {refused} structured cases refused; {flips_refused} of {} single-byte header \
-         flips refused, the rest loaded (flips that keep the file valid, as `1e-8` to `1E-8`); no panic, every refusal names \
-         the file and changes nothing",
+        "damaged checkpoints: {} structured cases refused, and all {data_flips_refused} single-bit flips of the \
+         tensor data (by the checksum); {flips_refused} of {} single-byte header flips refused; no panic, \
+         every refusal names the file and changes nothing",
+        refused - data_flips_refused,
         flipped.len()
     );
     cases.extend(flipped);
     if std::env::var_os("AMP_WRITE_CORPUS").is_some() {
         write_corpus(&cases, &real)?;
     }
+    Ok(())
+}
+
+/// A training state edited in place, its checksum kept (a learning rate changed by hand, a bit flipped
+/// by the disk): refused by the checksum of the data and the states, naming the file.
+#[test]
+fn an_edit_under_the_checksum_is_refused() -> Outcome {
+    let real = real_checkpoint(|_| Ok(()))?;
+    let (mut header, data) = split(&real)?;
+    let metadata = header["__metadata__"].as_object_mut().ok_or("metadata")?;
+    assert!(metadata.contains_key("amp_data_crc32"), "amp writes a checksum");
+    let key = metadata.keys().find(|k| k.starts_with("amp_state/")).ok_or("a state")?.clone();
+    let json = metadata[&key].as_str().ok_or("a JSON string")?.replacen("0.", "0.5", 1);
+    metadata.insert(key, Value::String(json));
+    let message = refusal("state_edited", &assemble(&header, &data)).ok_or("loaded")?;
+    assert!(message.contains("do not match the checksum saved with them"), "{message}");
     Ok(())
 }
 

@@ -73,6 +73,22 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A checkpoint's tensor data or training states do not match the checksum amp saved with them;
+    /// nothing was loaded.
+    #[error(
+        "checkpoint {} refused, the model is unchanged: its tensor data or training states do not match \
+         the checksum saved with them (crc32 {computed}, saved {saved}): the file was damaged after it \
+         was written; resume from an earlier checkpoint or a copy",
+        path.display()
+    )]
+    CheckpointDamaged {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The checksum in the file's metadata, as written there.
+        saved: String,
+        /// The checksum of the data as read.
+        computed: String,
+    },
     /// The tensors could not be encoded as safetensors; nothing was written.
     #[error("checkpoint {}: cannot encode the tensors as safetensors, nothing written: {source}", path.display())]
     CheckpointEncode {
