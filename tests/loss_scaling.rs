@@ -540,8 +540,8 @@ fn a_scaler_rolled_back_to_an_earlier_state_steps_on() -> amp::Result<()> {
 }
 
 /// Under O3 fp16 there is no fp32 master to unscale into: a scaler at another scale than 1 refuses the
-/// step (unscaled in fp16, a gradient of 1e-8 flushes to zero) and changes nothing; `for_model` gives
-/// the model a fixed scale of 1 (Apex O3's), which trains it.
+/// step (unscaled in fp16, a gradient of 1e-8 flushes to zero) and changes nothing, saying to use a
+/// fixed scale of 1 (Apex O3's), which trains it.
 #[test]
 fn an_fp16_gradient_without_a_master_is_not_unscaled_in_fp16() -> amp::Result<()> {
     let varmap = VarMap::new();
@@ -563,9 +563,7 @@ fn an_fp16_gradient_without_a_master_is_not_unscaled_in_fp16() -> amp::Result<()
     let err = scaler.step(&net, &loss()?, |_| Ok(())).expect_err("refused").to_string();
     assert!(err.contains("fp16 gradient and no fp32 master") && err.contains("fixed(1.0)"), "{err}");
     assert_eq!(weights()?, before, "nothing changed");
-    // `for_model` gives such a model Apex O3's fixed scale of 1, which trains it.
-    let mut fixed = GradScaler::for_model(&net, ScalerConfig::default())?;
-    assert!(fixed.is_enabled() && !fixed.config().dynamic && fixed.scale() == 1.0);
+    let mut fixed = GradScaler::new(ScalerConfig::fixed(1.0))?;
     assert!(fixed.step(&net, &loss()?, |_| Ok(()))?.applied());
     Ok(())
 }

@@ -104,19 +104,15 @@ impl GradScaler {
     }
 
     /// Enabled when some layer of `model` computes in fp16 now (after `amp::initialize`), disabled
-    /// otherwise (bf16 and fp32 have fp32's range). A model with fp16 parameters and no fp32 masters
-    /// (O3) gets a fixed scale of 1, Apex O3's: there is no fp32 copy to unscale its gradients into
-    /// (see [`unscale`](Self::unscale)); its non-finite steps are still skipped.
+    /// otherwise (bf16 and fp32 have fp32's range). An O3 fp16 model, which has no fp32 masters to
+    /// unscale its gradients into, trains with `GradScaler::new(ScalerConfig::fixed(1.0))` (Apex O3's
+    /// scale): at another scale [`unscale`](Self::unscale) refuses its gradients.
     pub fn for_model<M: AmpModule + ?Sized>(model: &M, config: ScalerConfig) -> Result<Self> {
-        let plan = model.precision_plan();
-        if !plan.computes_in_fp16() {
-            return Ok(GradScaler::disabled());
+        if model.precision_plan().computes_in_fp16() {
+            GradScaler::new(config)
+        } else {
+            Ok(GradScaler::disabled())
         }
-        let masterless = crate::ParamStorage::Half(crate::Precision::Fp16);
-        if plan.rows.iter().any(|row| row.storage == masterless) {
-            return GradScaler::new(ScalerConfig { at_floor: config.at_floor, ..ScalerConfig::fixed(1.0) });
-        }
-        GradScaler::new(config)
     }
 
     /// Turns the read-only non-finite check of a disabled scaler on or off (enabled scalers always check).
