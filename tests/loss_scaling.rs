@@ -38,6 +38,15 @@ fn fp16_net() -> amp::Result<Net> {
     Ok(net)
 }
 
+/// A net with candle-nn's initial weights, initialized with `config`.
+fn net_with(config: AmpConfig) -> amp::Result<Net> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let mut net = Net { hidden: linear(4, 16, vb.pp("hidden"))?, out: linear(16, 1, vb.pp("out"))? };
+    amp::initialize(&mut net, config)?;
+    Ok(net)
+}
+
 /// A momentum SGD over the masters whose state the test can inspect.
 struct Sgd {
     velocity: Vec<Var>,
@@ -213,10 +222,7 @@ fn a_nan_loss_every_step_stops_at_the_floor_with_a_diagnostic() -> amp::Result<(
 
 #[test]
 fn bf16_models_get_a_disabled_scaler_that_multiplies_nothing() -> amp::Result<()> {
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let mut net = Net { hidden: linear(4, 16, vb.pp("hidden"))?, out: linear(16, 1, vb.pp("out"))? };
-    amp::initialize(&mut net, AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
+    let net = net_with(AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
     let scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
     assert!(!scaler.is_enabled());
     assert_eq!(scaler.scale(), 1.0);
@@ -544,10 +550,7 @@ fn a_scaler_rolled_back_to_an_earlier_state_steps_on() -> amp::Result<()> {
 /// fixed scale of 1 (Apex O3's), which trains it.
 #[test]
 fn an_fp16_gradient_without_a_master_is_not_unscaled_in_fp16() -> amp::Result<()> {
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let mut net = Net { hidden: linear(4, 16, vb.pp("hidden"))?, out: linear(16, 1, vb.pp("out"))? };
-    amp::initialize(&mut net, AmpConfig::new(OptLevel::O3, &Device::Cpu).with_half(Precision::Fp16))?;
+    let net = net_with(AmpConfig::new(OptLevel::O3, &Device::Cpu).with_half(Precision::Fp16))?;
     let (x, y) = batch(0)?;
     let loss =
         || -> amp::Result<Tensor> { Ok((net.forward(&x)?.to_dtype(DType::F32)? - &y)?.sqr()?.mean_all()?) };
@@ -574,10 +577,7 @@ fn an_fp16_gradient_without_a_master_is_not_unscaled_in_fp16() -> amp::Result<()
 #[test]
 fn step_unscaled_refuses_a_model_the_opt_level_puts_in_fp16() -> amp::Result<()> {
     for half in [Precision::Fp16, Precision::Bf16] {
-        let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-        let mut net = Net { hidden: linear(4, 16, vb.pp("hidden"))?, out: linear(16, 1, vb.pp("out"))? };
-        amp::initialize(&mut net, AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(half))?;
+        let net = net_with(AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(half))?;
         let (x, y) = batch(0)?;
         let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
         let mut called = false;
