@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{Error, Result};
 use crate::{AmpModule, AmpModuleExt};
 
+mod checksum;
 mod durable;
 
 /// What is wrong with one tensor of a checkpoint.
@@ -111,61 +112,6 @@ impl fmt::Display for CheckpointProblems {
     }
 }
 
-/// The metadata key of the CRC-32 of the tensor data and the other metadata (the training states'
-/// JSON), 8 lowercase hex digits, which amp writes and checks when present (files from candle-nn's
-/// `VarMap::save` have none).
-const CHECKSUM_KEY: &str = "amp_data_crc32";
-
-/// The CRC-32 of `data` followed by every metadata entry but the checksum's own, in key order, each
-/// key and value ended by a zero byte.
-fn checksum(data: &[u8], metadata: &HashMap<String, String>) -> String {
-    let mut hasher = crc32fast::Hasher::new();
-    hasher.update(data);
-    let mut entries: Vec<(&String, &String)> = metadata.iter().filter(|(k, _)| *k != CHECKSUM_KEY).collect();
-    entries.sort();
-    for (key, value) in entries {
-        for text in [key, value] {
-            hasher.update(text.as_bytes());
-            hasher.update(&[0]);
-        }
-    }
-    format!("{:08x}", hasher.finalize())
-}
-
-/// Whether `a` and `b` differ in exactly one bit.
-fn one_bit_apart(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).map(|(x, y)| (x ^ y).count_ones()).sum::<u32>() == 1
-}
-
-/// `file`, a safetensors file, with the [`checksum`] of its tensor data and metadata added to its
-/// header's metadata: the header is rewritten (padded with spaces to 8 bytes, as safetensors pads it)
-/// before the same data.
-fn with_data_checksum(file: Vec<u8>) -> Result<Vec<u8>> {
-    let internal = |what: String| Error::Internal { what: format!("checkpoint checksum: {what}") };
-    let (header_len, header) =
-        safetensors::SafeTensors::read_metadata(&file).map_err(|e| internal(e.to_string()))?;
-    let data = &file[8 + header_len..];
-    let sum = checksum(data, &header.metadata().clone().unwrap_or_default());
-    let mut header: serde_json::Value =
-        serde_json::from_slice(&file[8..8 + header_len]).map_err(|e| internal(e.to_string()))?;
-    let metadata = header
-        .as_object_mut()
-        .ok_or_else(|| internal("the header is not an object".into()))?
-        .entry("__metadata__")
-        .or_insert_with(|| serde_json::Value::Object(serde_json::Map::new()));
-    metadata
-        .as_object_mut()
-        .ok_or_else(|| internal("no metadata object".into()))?
-        .insert(CHECKSUM_KEY.into(), serde_json::Value::String(sum));
-    let mut text = header.to_string().into_bytes();
-    text.resize(text.len().next_multiple_of(8), b' ');
-    let mut out = Vec::with_capacity(8 + text.len() + data.len());
-    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
-    out.extend_from_slice(&text);
-    out.extend_from_slice(data);
-    Ok(out)
-}
-
 /// Prefix of the tensor names and metadata keys that hold training state beside the parameters.
 const STATE_PREFIX: &str = "amp_state/";
 
@@ -236,7 +182,7 @@ pub(crate) fn save_with_masters<M: AmpModule + ?Sized>(
     }
     let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
         .map_err(|source| Error::CheckpointEncode { path: path.to_path_buf(), source })?;
-    let bytes = with_data_checksum(bytes)?;
+    let bytes = checksum::with_checksum(bytes)?;
     durable::replace_file(path, &bytes).map_err(|source| Error::CheckpointIo {
         path: path.to_path_buf(),
         action: "write",
@@ -296,6 +242,7 @@ pub(crate) fn stage<M: AmpModule + ?Sized>(
     path: &Path,
     options: LoadOptions,
 ) -> Result<Staged> {
+    distinct_keys(states.iter().map(|s| s.state_key()))?;
     let unreadable = |source: Box<dyn std::error::Error + Send + Sync>| Error::CheckpointUnreadable {
         path: path.to_path_buf(),
         source,
@@ -308,30 +255,11 @@ pub(crate) fn stage<M: AmpModule + ?Sized>(
     let (header_len, header) =
         safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| unreadable(Box::new(e)))?;
     let metadata = header.metadata().clone().unwrap_or_default();
-    // A checksum key one bit off its name was damaged too: the file would otherwise load unchecked.
-    if let Some(key) = metadata.keys().find(|k| one_bit_apart(k, CHECKSUM_KEY)) {
-        let computed = checksum(&bytes[8 + header_len..], &metadata);
-        return Err(Error::CheckpointDamaged {
-            path: path.to_path_buf(),
-            saved: format!("under a damaged key, `{key}`"),
-            computed,
-        });
-    }
-    if let Some(saved) = metadata.get(CHECKSUM_KEY) {
-        let computed = checksum(&bytes[8 + header_len..], &metadata);
-        if *saved != computed {
-            return Err(Error::CheckpointDamaged {
-                path: path.to_path_buf(),
-                saved: saved.clone(),
-                computed,
-            });
-        }
-    }
+    checksum::verify(&bytes[8 + header_len..], &metadata, path)?;
     let device = model.named_params().first().map_or(Device::Cpu, |(_, p)| p.master().device().clone());
     let mut tensors =
         candle_core::safetensors::load_buffer(&bytes, &device).map_err(|e| unreadable(Box::new(e)))?;
     drop(bytes);
-    distinct_keys(states.iter().map(|s| s.state_key()))?;
     let saved = take_states(states, &metadata, &mut tensors, path)?;
 
     let mut problems = check(&model.named_params(), &model.named_buffers(), &tensors);
