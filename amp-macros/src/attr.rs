@@ -50,17 +50,20 @@ impl Attrs {
                     "empty `#[amp()]`; write a precision such as `#[amp(fp16)]` or `#[amp(skip)]` on a \
                      field, `#[amp(default = bf16)]` on the struct, or remove the attribute",
                 ),
-                Meta::List(list) if leading_string(&list.tokens).is_some() => {
-                    let literal = leading_string(&list.tokens).expect("checked by the guard");
-                    let word = literal.to_string().trim_matches('"').to_string();
-                    cx.error_spanned_by(
-                        literal,
-                        format!("precisions are words, not strings: write `#[amp({word})]`, without quotes"),
-                    );
-                }
-                Meta::List(_) => {
-                    if let Err(err) = attr.parse_nested_meta(|meta| out.parse_entry(cx, meta)) {
-                        cx.syn_error(err);
+                Meta::List(list) => {
+                    match leading_string(&list.tokens) {
+                        Some(literal) => {
+                            let word = literal.to_string().trim_matches('"').to_string();
+                            cx.error_spanned_by(
+                            literal,
+                            format!("precisions are words, not strings: write `#[amp({word})]`, without quotes"),
+                        );
+                        }
+                        None => {
+                            if let Err(err) = attr.parse_nested_meta(|meta| out.parse_entry(cx, meta)) {
+                                cx.syn_error(err);
+                            }
+                        }
                     }
                 }
                 Meta::Path(_) | Meta::NameValue(_) => cx.error_spanned_by(

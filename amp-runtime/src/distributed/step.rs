@@ -112,17 +112,16 @@ impl StepStages for DataParallel<'_> {
         true
     }
 
-    fn reduce(
+    fn reduce<'p>(
         &mut self,
         _: &GradStore,
         present: &[&Tensor],
-        path: &dyn Fn(usize) -> String,
+        path: &dyn Fn(usize) -> &'p str,
     ) -> Result<Option<String>> {
-        let paths: Vec<String> = (0..present.len()).map(path).collect();
-        agree_same_parameters(self.comm, paths.iter().map(String::as_str))?;
+        agree_same_parameters(self.comm, (0..present.len()).map(path))?;
         // This rank's own check first, so that the report can name the rank that produced a non-finite
         // value: after the sum every rank holds it.
-        let own = crate::passes::find_non_finite(present)?.map(path);
+        let own = crate::passes::find_non_finite(present)?.map(|i| path(i).to_string());
         all_reduce_gradients(self.comm, present, &self.config)?;
         Ok(own)
     }

@@ -361,11 +361,11 @@ impl StepStages for Zero1<'_> {
         crate::optim::fold_split_gradients(&self.groups.params, grads)
     }
 
-    fn reduce(
+    fn reduce<'p>(
         &mut self,
         grads: &GradStore,
         _present: &[&Tensor],
-        _path: &dyn Fn(usize) -> String,
+        _path: &dyn Fn(usize) -> &'p str,
     ) -> Result<Option<String>> {
         let params = &self.groups.params;
         let all: Vec<Option<&Tensor>> = params.iter().map(|p| p.grad(grads)).collect::<Result<_>>()?;

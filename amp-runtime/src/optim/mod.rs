@@ -159,7 +159,7 @@ impl GradScaler {
         self.check_gradients_once(params.iter().map(OptimParam::checked), &grads)?;
         let present = driver::with_grads(params, None, &grads)?;
         let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
-        let path = |index: usize| params[present[index].0].path.clone();
+        let path = |index: usize| params[present[index].0].path.as_str();
         let own = stages.reduce(&grads, &tensors, &path)?;
         // One read pass: the global norm when clipping (inf or NaN when any value is), else the check.
         // The parameter to blame is looked up only when a step is skipped.
@@ -179,7 +179,7 @@ impl GradScaler {
             _ => crate::passes::find_non_finite(&tensors)?,
         };
         let reduced = match (first_bad, norm) {
-            (Some(index), _) => Some(path(index)),
+            (Some(index), _) => Some(path(index).to_string()),
             // Every value finite, their norm not: as much an overflow as an infinite element.
             (None, Some(norm)) if !norm.is_finite() => {
                 Some("(the global gradient norm overflows f32)".to_string())

@@ -40,11 +40,11 @@ pub(crate) trait StepStages {
     /// the backward pass; `present`: those of the optimizer's parameters, `path(i)` naming
     /// `present[i]`'s parameter): returns the parameter whose gradient held inf/NaN as computed here
     /// (if this stage looks), then reduces the gradients the optimizer reads, in place.
-    fn reduce(
+    fn reduce<'p>(
         &mut self,
         grads: &GradStore,
         present: &[&Tensor],
-        path: &dyn Fn(usize) -> String,
+        path: &dyn Fn(usize) -> &'p str,
     ) -> Result<Option<String>>;
 
     /// The global gradient norm from this rank's norm of `present` (the identity unless the optimizer
@@ -72,11 +72,11 @@ impl StepStages for OneProcess {
         false
     }
 
-    fn reduce(
+    fn reduce<'p>(
         &mut self,
         _: &GradStore,
         _: &[&Tensor],
-        _: &dyn Fn(usize) -> String,
+        _: &dyn Fn(usize) -> &'p str,
     ) -> Result<Option<String>> {
         Ok(None)
     }
