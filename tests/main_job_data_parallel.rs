@@ -122,7 +122,8 @@ fn two_ranks_on_half_batches_follow_one_process_on_the_whole_batch() -> Outcome 
     assert!(worst < 1e-4, "loss curves differ by up to {worst}:\n{a:?}\n{b:?}");
 
     // Every rank sends the same: per step, every gradient value once in the wire's dtype, plus the
-    // loss (4 bytes) and the skip-agreement word (4 bytes). A bf16 wire halves the gradient bytes.
+    // loss (4 bytes), the two words that agree on which gradients the ranks hold (8 bytes) and the
+    // skip-agreement word (4 bytes). A bf16 wire halves the gradient bytes.
     let job = train(&exe, Some(2), &two_bf16, &["--data-parallel", "--wire", "bf16"])?;
     assert!(job.status.success(), "2 ranks, bf16 wire:\n{}", text(&job));
     let (f32_sent, bf16_sent) = (bytes_sent(&results(&two)?), bytes_sent(&results(&two_bf16)?));
@@ -131,8 +132,8 @@ fn two_ranks_on_half_batches_follow_one_process_on_the_whole_batch() -> Outcome 
     let steps = STEPS as u64;
     let params = (f32_sent[0] - bf16_sent[0]) / (2 * steps);
     assert!(params > 100_000, "{params} parameters from {f32_sent:?} and {bf16_sent:?}");
-    assert_eq!(f32_sent[0], steps * (4 * params + 8));
-    assert_eq!(bf16_sent[0], steps * (2 * params + 8));
+    assert_eq!(f32_sent[0], steps * (4 * params + 16));
+    assert_eq!(bf16_sent[0], steps * (2 * params + 16));
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -132,7 +132,7 @@ pub struct RankRun {
 pub fn rank_table(group: &Group<'_>, runs: &[Run], ranks: &[Vec<RankRun>], steps: usize) {
     println!(
         "per rank: {} ranks, gradients on the {} wire; sent = payload bytes this rank handed to collectives \
-         during the steps (gradients, the loss and the skip-agreement words)",
+         during the steps (gradients, the loss and the agreement words)",
         group.world(),
         group.wire()
     );
