@@ -14,7 +14,7 @@ use amp::distributed::{
     agree_non_finite, all_reduce_gradients, Communicator, DataParallel, DataParallelConfig, Mpi, Wire,
 };
 use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
-use amp::scaler::{ScalerConfig, SkipReason};
+use amp::scaler::{GradAccumulator, ScalerConfig, SkipReason};
 use amp::{AmpModuleExt, GradScaler, Precision};
 use candle_core::{DType, Device, Module, Tensor};
 use half::{bf16, f16};
@@ -301,6 +301,58 @@ fn data_parallel_steps_agree_on_every_skip_and_keep_replicas_identical() -> Outc
             mine, root,
             "rank {rank}: masters, working copies, optimizer and scaler differ from rank 0's"
         );
+        Ok(())
+    })
+}
+
+/// Gradient accumulation over two ranks, two micro-batches each: the windows agree on every skip (an
+/// fp16 overflow in rank 1's second micro-batch, a NaN loss in rank 0's first), the replicas stay bit
+/// identical, and each window's gradients travel once: as many all-reduce bytes as one plain step.
+#[test]
+fn accumulated_windows_agree_on_every_skip_and_reduce_once_per_window() -> Outcome {
+    let test = "accumulated_windows_agree_on_every_skip_and_reduce_once_per_window";
+    on_ranks(test, 2, |comm| {
+        let rank = comm.rank();
+        let net = fp16_net(6, 24, 3, 40 + rank as u64)?;
+        let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
+        dp.broadcast_masters(&net)?;
+        let mut adam = FusedAdamW::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+        let mut scaler = GradScaler::new(ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+        let mut accumulator = GradAccumulator::new();
+        for window in 0..5u64 {
+            for micro in 0..2u64 {
+                let (x, y) = reliability::batch(window * 4 + rank as u64 * 2 + micro, 8, 6, 3)?;
+                let mut loss = (reliability::mse(&net, &x, &y)? / 2.0)?;
+                if window == 1 && rank == 1 && micro == 1 {
+                    loss = (loss * 1e30)?;
+                }
+                if window == 3 && rank == 0 && micro == 0 {
+                    loss = (loss * f64::NAN)?;
+                }
+                scaler.accumulate(&net, &loss, &mut accumulator)?;
+            }
+            let before = (reliability::snapshot(&net, &[])?, comm.traffic().all_reduce);
+            let report = dp.step_fused_accumulated(&mut scaler, &mut accumulator, &mut adam, Some(1.0))?;
+            let expected = match window {
+                1 => Some(SkipReason::GroupGradientOverflow {
+                    rank: Some(1),
+                    param: (rank == 1).then(|| "hidden.weight".to_string()),
+                }),
+                3 => Some(SkipReason::NonFiniteLossOnRank { rank: 0 }),
+                _ => None,
+            };
+            assert_eq!(report.skipped, expected, "rank {rank}, window {window}: {report}");
+            if expected.is_some() {
+                assert!(reliability::snapshot(&net, &[])? == before.0, "rank {rank}: a skip changed weights");
+            }
+            // One window: the 243 gradients once (in f32 on the default wire), and a few agreement words.
+            let bytes = comm.traffic().all_reduce - before.1;
+            assert!((4 * 243..4 * 243 + 64).contains(&bytes), "rank {rank}, window {window}: {bytes} bytes");
+        }
+        assert_eq!((scaler.state().applied, scaler.state().skipped), (3, 2));
+        let state = reliability::snapshot(&net, &[&adam, &scaler])?;
+        let (mine, root) = checksums(comm, &state)?;
+        assert_eq!(mine, root, "rank {rank}: the replicas parted");
         Ok(())
     })
 }

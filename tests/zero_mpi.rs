@@ -10,11 +10,25 @@ mod reliability;
 
 use amp::checkpoint::TrainingState;
 use amp::distributed::{Communicator, DataParallel, DataParallelConfig, Mpi, SingleProcess, Zero1};
+use amp::nn::Linear;
 use amp::optim::ParamGroups;
-use amp::scaler::SkipReason;
+use amp::scaler::{GradAccumulator, SkipReason};
 use amp::{AmpModuleExt, GradientRoute, ParamStorage, Precision};
 use mpi_launch::{on_ranks, on_ranks_with_env, Outcome};
 use mpi_training::{loss, masters, mlp, same_bits, scaler, Kind, Optimizer};
+
+/// Every working copy of a model with sharded masters, and every master it still holds, bit-identical
+/// to the data-parallel model's.
+fn assert_same_weights(what: &str, zero_net: &Vec<Linear>, dp_net: &Vec<Linear>, half: Precision) {
+    for ((name, z), (_, d)) in zero_net.named_params().iter().zip(&dp_net.named_params()) {
+        let bits = |p: &amp::Param| reliability::bits(p.trainable().as_tensor());
+        assert_eq!(bits(z), bits(d), "{what}: the working copy of {name} differs");
+        if z.storage() != ParamStorage::Half(half) {
+            let master = |p: &amp::Param| reliability::bits(p.master().as_tensor());
+            assert_eq!(master(z), master(d), "{what}: the master of {name} differs");
+        }
+    }
+}
 
 /// Rows of the 16-row batch that rank `rank` of `world` trains on.
 fn my_rows(rank: usize, world: usize) -> std::ops::Range<usize> {
@@ -179,14 +193,7 @@ fn sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank() -> 
             let gathered = ((comm.traffic().all_gather - gathered_before) / 50) as usize;
             let shard = per_rank.iter().copied().max().unwrap_or(0);
             assert!(gathered <= shard / 2 + 4, "{what}: {gathered} B gathered a step for a {shard} B shard");
-            for ((name, z), (_, d)) in zero_net.named_params().iter().zip(&dp_net.named_params()) {
-                let bits = |p: &amp::Param| reliability::bits(p.trainable().as_tensor());
-                assert_eq!(bits(z), bits(d), "{what}: the working copy of {name} differs");
-                if z.storage() != ParamStorage::Half(half) {
-                    let master = |p: &amp::Param| reliability::bits(p.master().as_tensor());
-                    assert_eq!(master(z), master(d), "{what}: the master of {name} differs");
-                }
-            }
+            assert_same_weights(&what, &zero_net, &dp_net, half);
             assert_eq!(zero_scaler.state(), dp_scaler.state(), "{what}: the scalers differ");
             if rank == 0 {
                 println!(
@@ -195,6 +202,58 @@ fn sharded_masters_train_like_data_parallel_with_half_the_masters_per_rank() -> 
                     mpi_launch::REPORT
                 );
             }
+        }
+        Ok(())
+    })
+}
+
+/// Gradient accumulation under ZeRO-1 with sharded masters (the non-owned parameters' gradients half,
+/// summed in f32 like the rest) trains bit-identically to data parallelism accumulating the same
+/// micro-batches, a window with an fp16 overflow on rank 1 skipped alike.
+#[test]
+fn accumulated_windows_under_zero1_train_bit_identically_to_data_parallel() -> Outcome {
+    let test = "accumulated_windows_under_zero1_train_bit_identically_to_data_parallel";
+    on_ranks(test, 2, |comm| {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        for half in [Precision::Fp16, Precision::Bf16] {
+            let what = format!("{half:?}, rank {rank}");
+            let (mut dp_net, mut zero_net) = (mlp(half, 5 + rank as u64)?, mlp(half, 5)?);
+            amp::set_gradient_route(&mut dp_net, GradientRoute::Working);
+            let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
+            dp.broadcast_masters(&dp_net)?;
+            let mut zero =
+                Zero1::new(comm, ParamGroups::from_model(&zero_net)?, DataParallelConfig::default())?;
+            zero.broadcast_masters(&zero_net)?;
+            zero.shard_masters(&mut zero_net)?;
+            let mut dp_opt = Optimizer::new(Kind::AdamW, ParamGroups::from_model(&dp_net)?)?;
+            let mut zero_opt = Optimizer::new(Kind::AdamW, zero.local_groups())?;
+            let (mut dp_scaler, mut zero_scaler) = (scaler(&dp_net)?, scaler(&zero_net)?);
+            let (mut dp_acc, mut zero_acc) = (GradAccumulator::new(), GradAccumulator::new());
+            for window in 0..10 {
+                let rows = my_rows(rank, world);
+                let middle = rows.start + rows.len() / 2;
+                for (micro, part) in [rows.start..middle, middle..rows.end].into_iter().enumerate() {
+                    let overflow = half == Precision::Fp16 && window == 4 && rank == 1 && micro == 1;
+                    let factor = if overflow { 1e30 } else { 0.5 };
+                    let dp_loss = (loss(&dp_net, window, part.clone())? * factor)?;
+                    dp_scaler.accumulate(&dp_net, &dp_loss, &mut dp_acc)?;
+                    let zero_loss = (loss(&zero_net, window, part)? * factor)?;
+                    zero_scaler.accumulate(&zero_net, &zero_loss, &mut zero_acc)?;
+                }
+                let dp_report =
+                    dp.step_fused_accumulated(&mut dp_scaler, &mut dp_acc, dp_opt.fused(), Some(1.0))?;
+                let zero_report = zero.step_fused_accumulated(
+                    &mut zero_scaler,
+                    &mut zero_acc,
+                    zero_opt.fused(),
+                    Some(1.0),
+                )?;
+                assert_eq!(zero_report.skipped, dp_report.skipped, "{what}, window {window}");
+                let overflowed = half == Precision::Fp16 && window == 4;
+                assert_eq!(zero_report.applied(), !overflowed, "{what}, window {window}: {zero_report}");
+            }
+            assert_same_weights(&what, &zero_net, &dp_net, half);
+            assert_eq!(zero_scaler.state(), dp_scaler.state(), "{what}: the scalers differ");
         }
         Ok(())
     })

@@ -164,6 +164,25 @@ pub enum Error {
     },
 
     // ---- loss scaling ----
+    /// A micro-batch accumulated, or a window stepped, at a loss scale other than the window's first
+    /// micro-batch's.
+    #[error(
+        "the loss scale moved from {from} to {to} during a gradient accumulation window (another step of \
+         this scaler ran, or its state was loaded, between `GradScaler::accumulate` and the window's step): \
+         the sums would mix two scales. Step each window before any other step of its scaler"
+    )]
+    AccumulationScaleChanged {
+        /// The scale of the window's micro-batches.
+        from: f32,
+        /// The scaler's scale now.
+        to: f32,
+    },
+    /// A step from a gradient accumulator that holds no micro-batch.
+    #[error(
+        "the gradient accumulator is empty: call `GradScaler::accumulate` for each micro-batch before the \
+         window's step (the step empties it)"
+    )]
+    NothingAccumulated,
     /// A scaler setting out of range.
     #[error("invalid loss-scaler setting: {reason}")]
     InvalidScalerConfig {

@@ -105,6 +105,24 @@ impl<'c> DataParallel<'c> {
     ) -> Result<StepReport> {
         scaler.step_fused_staged(loss, optimizer, max_grad_norm, self)
     }
+
+    /// One data-parallel step from the gradients each rank accumulated over its micro-batches
+    /// ([`GradScaler::accumulate`]): [`GradScaler::step_fused_accumulated`] on every rank, with the f32
+    /// sums averaged over the ranks once for the whole window (no traffic per micro-batch, as DDP's
+    /// `no_sync`) and the skip decision agreed by all. Every rank must call it, each after the same
+    /// number of steps.
+    ///
+    /// # Errors
+    /// Those of [`GradScaler::step_fused_accumulated`] and of the communicator.
+    pub fn step_fused_accumulated(
+        &mut self,
+        scaler: &mut GradScaler,
+        accumulator: &mut crate::scaler::GradAccumulator,
+        optimizer: &mut dyn FusedOptimizer,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport> {
+        scaler.step_fused_accumulated_staged(accumulator, optimizer, max_grad_norm, self)
+    }
 }
 
 impl StepStages for DataParallel<'_> {

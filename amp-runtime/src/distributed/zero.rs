@@ -241,6 +241,24 @@ impl<'c> Zero1<'c> {
         scaler.step_fused_staged(loss, optimizer, max_grad_norm, self)
     }
 
+    /// One ZeRO-1 step from the gradients each rank accumulated over its micro-batches
+    /// ([`GradScaler::accumulate`], given the whole model): the f32 sums are reduce-scattered once for
+    /// the window, then as [`step_fused`](Self::step_fused). Every rank must call it.
+    ///
+    /// # Errors
+    /// Those of [`step_fused`](Self::step_fused) and of
+    /// [`GradScaler::step_fused_accumulated`].
+    pub fn step_fused_accumulated(
+        &mut self,
+        scaler: &mut GradScaler,
+        accumulator: &mut crate::scaler::GradAccumulator,
+        optimizer: &mut dyn FusedOptimizer,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport> {
+        self.check_optimizer(optimizer)?;
+        scaler.step_fused_accumulated_staged(accumulator, optimizer, max_grad_norm, self)
+    }
+
     fn check_optimizer(&self, optimizer: &dyn FusedOptimizer) -> Result<()> {
         let theirs = optimizer.param_groups().params();
         let mine = &self.shards.blocks[self.comm.rank()];

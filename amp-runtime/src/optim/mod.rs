@@ -152,10 +152,62 @@ impl GradScaler {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
         let (mut grads, checked) = crate::gradient_sink::backward_checked(&self.scale_loss(loss)?)?;
+        params::fold_split_gradients(optimizer.param_groups().params(), &mut grads)?;
+        stages.fold_split_gradients(&mut grads)?;
+        self.step_fused_from(grads, &checked, loss_finite, optimizer, max_grad_norm, stages)
+    }
+
+    /// One fused step from the gradients accumulated over micro-batches ([`GradScaler::accumulate`]):
+    /// the protocol of [`step_fused`](Self::step_fused) from the check on, once for the whole window,
+    /// reading the f32 sums. Empties `accumulator`, whether the step applies or skips.
+    ///
+    /// # Errors
+    /// [`Error::NothingAccumulated`](crate::Error::NothingAccumulated) for an empty accumulator;
+    /// [`Error::AccumulationScaleChanged`](crate::Error::AccumulationScaleChanged); those of
+    /// [`step_fused`](Self::step_fused).
+    pub fn step_fused_accumulated(
+        &mut self,
+        accumulator: &mut crate::scaler::GradAccumulator,
+        optimizer: &mut dyn FusedOptimizer,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport> {
+        self.step_fused_accumulated_staged(accumulator, optimizer, max_grad_norm, &mut OneProcess)
+    }
+
+    /// The accumulated step's protocol, with `stages` called for the reduction and the verdict.
+    pub(crate) fn step_fused_accumulated_staged(
+        &mut self,
+        accumulator: &mut crate::scaler::GradAccumulator,
+        optimizer: &mut dyn FusedOptimizer,
+        max_grad_norm: Option<f32>,
+        stages: &mut dyn StepStages,
+    ) -> Result<StepReport> {
+        self.reclaim()?;
+        let crate::scaler::Window { mut grads, loss_finite } = accumulator.take(self.scale())?;
+        if !loss_finite && !stages.collective() {
+            return self.update(Some(SkipReason::NonFiniteLoss));
+        }
+        // The sums are keyed by the masters of the model `accumulate` was given; parameters of the
+        // optimizer's outside it may still hold both keys.
+        params::fold_split_gradients(optimizer.param_groups().params(), &mut grads)?;
+        stages.fold_split_gradients(&mut grads)?;
+        let nothing_checked = crate::gradient_sink::CheckedFinite::default();
+        self.step_fused_from(grads, &nothing_checked, loss_finite, optimizer, max_grad_norm, stages)
+    }
+
+    /// The fused protocol after backward: `grads` (still scaled, split gradients folded) are reduced,
+    /// checked (except those in `checked`), and stepped or skipped; then the scale update.
+    fn step_fused_from(
+        &mut self,
+        grads: GradStore,
+        checked: &crate::gradient_sink::CheckedFinite,
+        loss_finite: bool,
+        optimizer: &mut dyn FusedOptimizer,
+        max_grad_norm: Option<f32>,
+        stages: &mut dyn StepStages,
+    ) -> Result<StepReport> {
         let inv_scale = 1.0 / self.scale();
         let params = optimizer.param_groups().params();
-        params::fold_split_gradients(params, &mut grads)?;
-        stages.fold_split_gradients(&mut grads)?;
         self.check_gradients_once(params.iter().map(OptimParam::checked), &grads)?;
         let present = driver::with_grads(params, None, &grads)?;
         let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();

@@ -16,6 +16,7 @@
 //! waiting for anything (the loss check and the skip decision included); [`GradScaler::settle`] reads
 //! what the queued steps did when the host wants to know.
 
+mod accumulate;
 mod checkpoint;
 mod config;
 mod deferred;
@@ -25,6 +26,8 @@ mod settled;
 pub(crate) mod stages;
 mod state;
 
+pub use accumulate::GradAccumulator;
+pub(crate) use accumulate::Window;
 pub use config::{AtScaleFloor, ScalerConfig};
 pub use no_grad::{LikelyCause, MissingGradients, NoGradient, NoGradients};
 pub use report::{SkipReason, StepReport};
@@ -267,7 +270,17 @@ impl GradScaler {
         if !value.is_finite() {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
-        let mut grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
+        let grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
+        self.apply_gradients(model, grads, apply)
+    }
+
+    /// [`step`](Self::step) after backward: from the gradients of the scaled loss on.
+    fn apply_gradients<M: AmpModule + ?Sized>(
+        &mut self,
+        model: &M,
+        mut grads: GradStore,
+        apply: impl FnOnce(&mut GradStore) -> Result<()>,
+    ) -> Result<StepReport> {
         let params = no_grad::model_params(model);
         self.check_gradients_once(params.iter().map(no_grad::ModelParam::checked), &grads)?;
         let unscaled = self.unscale(model, &mut grads)?;

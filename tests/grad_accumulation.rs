@@ -1,0 +1,325 @@
+//! Gradient accumulation (`GradScaler::accumulate` + `step_fused_accumulated` / `step_accumulated`):
+//! - the sums are f32: against an f64 sum of the very gradients each micro-batch produced (half, from
+//!   half working copies), the error is within f32's summation bound, where summing in the gradients'
+//!   own dtype is off by orders of magnitude;
+//! - an fp32 model's accumulated step is the one-batch step up to f32 rounding;
+//! - one non-finite micro-batch skips the whole window and changes no bit of the training state;
+//! - the loss scale cannot move inside a window, and an empty window is refused.
+
+mod common;
+mod reliability;
+
+use amp::distributed::{Communicator, DataParallel, DataParallelConfig, SingleProcess};
+use amp::nn::{linear, Linear};
+use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
+use amp::scaler::{GradAccumulator, ScalerConfig, SkipReason};
+use amp::{AmpConfig, AmpModule, AmpModuleExt, Error, GradScaler, GradientRoute, OptLevel, Precision};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use reliability::Outcome;
+
+/// One linear layer, `inputs -> outputs`, seeded weights uniform in [-1/4, 1/4).
+#[derive(AmpModule)]
+struct Head {
+    fc: Linear,
+}
+
+impl Module for Head {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.fc.forward(x)
+    }
+}
+
+fn head(inputs: usize, outputs: usize, config: AmpConfig) -> amp::Result<Head> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let mut model = Head { fc: linear(inputs, outputs, vb.pp("fc"))? };
+    for (i, (_, p)) in model.named_params().iter().enumerate() {
+        let dims = p.master().dims().to_vec();
+        p.master().set(&common::uniform_in(7 + i as u64, &dims, -0.25, 0.25, DType::F32)?)?;
+    }
+    amp::initialize(&mut model, config)?;
+    Ok(model)
+}
+
+fn o2(half: Precision) -> AmpConfig {
+    AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(half)
+}
+
+/// Micro-batch `j`: `rows` inputs in [-1, 1) and targets, all positive-mean so that the weight
+/// gradients of every micro-batch share a sign and their sum grows (where a half sum stalls).
+fn micro_batch(j: u64, rows: usize, inputs: usize, outputs: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    let x = common::uniform_in(1000 + j, &[rows, inputs], 0.0, 1.0, DType::F32)?;
+    let y = common::uniform_in(5000 + j, &[rows, outputs], 2.0, 3.0, DType::F32)?;
+    Ok((x, y))
+}
+
+fn mse<M: Module>(model: &M, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    (model.forward(x)?.to_dtype(DType::F32)? - y)?.sqr()?.mean_all()
+}
+
+/// bf16 and fp16 working copies whose gradients are half (`GradientRoute::Working`, as on a GPU or
+/// under ZeRO): 256 micro-batches, each gradient read on its own in its half dtype. The accumulated
+/// sum must be their f64 sum within the f32 bound `255 u_f32 sum |g_j|` per element; a sum in the
+/// half dtype (computed here too) is far outside it.
+#[test]
+fn the_sums_are_f32_sums_of_the_micro_batches_half_gradients() -> Outcome {
+    const MICRO: usize = 256;
+    for (half, scale) in [(Precision::Bf16, 1.0), (Precision::Fp16, 1024.0)] {
+        let mut model = head(8, 4, o2(half))?;
+        amp::set_gradient_route(&mut model, GradientRoute::Working);
+        let mut scaler = GradScaler::new(ScalerConfig::fixed(scale))?;
+        let mut accumulator = GradAccumulator::new();
+        let params = model.named_params();
+        let mut exact: Vec<Vec<f64>> =
+            params.iter().map(|(_, p)| vec![0.0; p.master().elem_count()]).collect();
+        let mut magnitude = exact.clone();
+        let mut in_half: Vec<Option<Tensor>> = vec![None; params.len()];
+        for j in 0..MICRO as u64 {
+            let (x, y) = micro_batch(j, 4, 8, 4)?;
+            let loss = (mse(&model, &x, &y)? / MICRO as f64)?;
+            // The micro-batch's own gradients, as backward gives them (half, scaled).
+            let grads = (&loss * f64::from(scale))?.backward()?;
+            for (i, (path, p)) in params.iter().enumerate() {
+                let trainable = p.working().map_or(p.master().as_tensor(), |w| w.as_tensor());
+                let g = grads.get(trainable).ok_or(format!("{path}: no gradient"))?;
+                assert_eq!(g.dtype(), half.dtype(), "{path}: the route gives half gradients");
+                let values = g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                for ((e, m), v) in exact[i].iter_mut().zip(&mut magnitude[i]).zip(values) {
+                    *e += v;
+                    *m += v.abs();
+                }
+                in_half[i] = Some(match in_half[i].take() {
+                    None => g.clone(),
+                    Some(sum) => (sum + g)?,
+                });
+            }
+            scaler.accumulate(&model, &loss, &mut accumulator)?;
+        }
+        assert_eq!(accumulator.micro_batches(), MICRO);
+        let bound = (MICRO - 1) as f64 * common::unit_roundoff(DType::F32);
+        for (i, (path, p)) in params.iter().enumerate() {
+            let sum = accumulator.gradient(p.master().as_tensor()).ok_or(format!("{path}: no sum"))?;
+            assert_eq!(sum.dtype(), DType::F32, "{path}");
+            let got = sum.flatten_all()?.to_vec1::<f32>()?;
+            let naive = in_half[i].as_ref().ok_or("no half sum")?;
+            let naive = naive.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+            let mut naive_worst = 0f64;
+            for (k, &g) in got.iter().enumerate() {
+                let err = (f64::from(g) - exact[i][k]).abs();
+                assert!(
+                    err <= bound * magnitude[i][k],
+                    "{half} {path}[{k}]: {g} against {} (error {err:.3e} > {:.3e})",
+                    exact[i][k],
+                    bound * magnitude[i][k]
+                );
+                naive_worst = naive_worst.max((naive[k] - exact[i][k]).abs() / (bound * magnitude[i][k]));
+            }
+            // The same sums in the gradients' dtype miss the bound by far: the test can fail.
+            assert!(naive_worst > 100.0, "{half} {path}: a half sum is within {naive_worst:.1}x the bound");
+            eprintln!(
+                "{half} {path}: f32 sums within the bound; a {half} sum misses it by {naive_worst:.0}x"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// An fp32 model (O0): two micro-batches of 8 rows, each loss halved, step like one batch of 16 rows,
+/// up to the order of f32 sums (relative 1e-6 over 6 AdamW steps).
+#[test]
+fn an_accumulated_fp32_step_is_the_one_batch_step() -> Outcome {
+    let config = || AmpConfig::new(OptLevel::O0, &Device::Cpu);
+    let (whole, split) = (head(6, 3, config())?, head(6, 3, config())?);
+    let adam = |m: &Head| FusedAdamW::new(ParamGroups::from_model(m)?, AdamConfig::default());
+    let (mut whole_adam, mut split_adam) = (adam(&whole)?, adam(&split)?);
+    let (mut whole_scaler, mut split_scaler) = (GradScaler::disabled(), GradScaler::disabled());
+    let mut accumulator = GradAccumulator::new();
+    for step in 0..6u64 {
+        let (x, y) = micro_batch(step, 16, 6, 3)?;
+        let report = whole_scaler.step_fused(&mse(&whole, &x, &y)?, &mut whole_adam, Some(1.0))?;
+        assert!(report.applied(), "{report}");
+        for half in 0..2 {
+            let (x, y) = (x.narrow(0, 8 * half, 8)?, y.narrow(0, 8 * half, 8)?);
+            split_scaler.accumulate(&split, &(mse(&split, &x, &y)? / 2.0)?, &mut accumulator)?;
+        }
+        let report = split_scaler.step_fused_accumulated(&mut accumulator, &mut split_adam, Some(1.0))?;
+        assert!(report.applied() && accumulator.is_empty(), "{report}");
+    }
+    assert_eq!(split_adam.steps()?, 6);
+    for ((path, a), (_, b)) in whole.named_params().iter().zip(split.named_params().iter()) {
+        common::assert_close(path, b.master().as_tensor(), a.master().as_tensor(), 1e-6)?;
+        // And moved: 6 steps of lr 1e-3.
+        assert!(common::relative_error(a.master().as_tensor(), &Tensor::zeros_like(a.master())?)? > 0.0);
+    }
+    Ok(())
+}
+
+/// fp16 O2 with dynamic scaling: a window whose second micro-batch overflows fp16 skips as a whole,
+/// every bit of masters, working copies, optimizer and scaler state as before but the scale, which
+/// backs off once; a window with a NaN loss skips as a non-finite loss; the next window applies.
+#[test]
+fn a_non_finite_micro_batch_skips_the_window_and_changes_nothing() -> Outcome {
+    let net = reliability::fp16_net(6, 24, 3, 5)?;
+    let mut adam = FusedAdamW::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+    let mut scaler = GradScaler::new(ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+    let mut accumulator = GradAccumulator::new();
+    let mut window = |factors: [f64; 3], scaler: &mut GradScaler, adam: &mut FusedAdamW| -> Outcome<_> {
+        for (j, factor) in factors.into_iter().enumerate() {
+            let (x, y) = reliability::batch(j as u64, 8, 6, 3)?;
+            let loss = ((reliability::mse(&net, &x, &y)? / 3.0)? * factor)?;
+            scaler.accumulate(&net, &loss, &mut accumulator)?;
+        }
+        Ok(scaler.step_fused_accumulated(&mut accumulator, adam, None)?)
+    };
+    let report = window([1.0; 3], &mut scaler, &mut adam)?;
+    assert!(report.applied(), "{report}");
+    let before = reliability::snapshot(&net, &[&adam])?;
+    let report = window([1.0, 1e30, 1.0], &mut scaler, &mut adam)?;
+    assert!(matches!(&report.skipped, Some(SkipReason::GradientOverflow { .. })), "{report}");
+    assert_eq!((report.scale_before, report.scale_after), (1024.0, 512.0));
+    let report = window([1.0, 1.0, f64::NAN], &mut scaler, &mut adam)?;
+    assert_eq!(report.skipped, Some(SkipReason::NonFiniteLoss), "{report}");
+    assert!(reliability::snapshot(&net, &[&adam])? == before, "a skipped window changed the state");
+    assert_eq!(adam.steps()?, 1);
+    let report = window([1.0; 3], &mut scaler, &mut adam)?;
+    assert!(report.applied() && adam.steps()? == 2, "{report}");
+    assert!(reliability::snapshot(&net, &[&adam])? != before);
+    Ok(())
+}
+
+#[test]
+fn the_scale_cannot_move_inside_a_window_and_an_empty_window_is_refused() -> Outcome {
+    let net = reliability::fp16_net(6, 24, 3, 5)?;
+    let mut adam = FusedAdamW::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+    let mut scaler = GradScaler::new(ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+    let mut accumulator = GradAccumulator::new();
+    let err = scaler.step_fused_accumulated(&mut accumulator, &mut adam, None).err();
+    assert!(matches!(err, Some(Error::NothingAccumulated)), "{err:?}");
+    let (x, y) = reliability::batch(0, 8, 6, 3)?;
+    scaler.accumulate(&net, &reliability::mse(&net, &x, &y)?, &mut accumulator)?;
+    let bytes = accumulator.bytes();
+    assert_eq!(bytes, 4 * (6 * 24 + 24 + 24 * 3 + 3), "one f32 sum per parameter element");
+    // Another step of the scaler moves the scale inside the window.
+    scaler.update(Some(SkipReason::NonFiniteLoss))?;
+    let err = scaler.accumulate(&net, &reliability::mse(&net, &x, &y)?, &mut accumulator).err();
+    assert!(matches!(err, Some(Error::AccumulationScaleChanged { from: 1024.0, to: 512.0 })), "{err:?}");
+    assert_eq!((accumulator.micro_batches(), accumulator.bytes()), (1, bytes), "nothing was added");
+    let before = reliability::snapshot(&net, &[&adam])?;
+    let err = scaler.step_fused_accumulated(&mut accumulator, &mut adam, None).err();
+    assert!(matches!(err, Some(Error::AccumulationScaleChanged { .. })), "{err:?}");
+    assert!(reliability::snapshot(&net, &[&adam])? == before);
+    assert_eq!((accumulator.micro_batches(), accumulator.bytes()), (1, bytes), "the error kept the sums");
+    Ok(())
+}
+
+/// `step_accumulated` hands the user's optimizer the unscaled f32 sums, keyed by the masters.
+#[test]
+fn step_accumulated_hands_apply_the_unscaled_f32_sums() -> Outcome {
+    let net = reliability::fp16_net(6, 24, 3, 5)?;
+    let mut scaler = GradScaler::new(ScalerConfig::fixed(256.0))?;
+    let mut accumulator = GradAccumulator::new();
+    for j in 0..3 {
+        let (x, y) = reliability::batch(j, 8, 6, 3)?;
+        scaler.accumulate(&net, &reliability::mse(&net, &x, &y)?, &mut accumulator)?;
+    }
+    let expected: Vec<Tensor> = net
+        .named_params()
+        .iter()
+        .map(|(_, p)| Ok((accumulator.gradient(p.master().as_tensor()).ok_or("no sum")? / 256.0)?))
+        .collect::<Outcome<_>>()?;
+    let report = scaler.step_accumulated(&net, &mut accumulator, |grads| {
+        for ((path, p), want) in net.named_params().iter().zip(&expected) {
+            let got = grads.get(p.master().as_tensor()).expect("keyed by the master");
+            assert_eq!(got.dtype(), DType::F32, "{path}");
+            assert_eq!(reliability::bits(got), reliability::bits(want), "{path}: unscaled exactly");
+        }
+        Ok(())
+    })?;
+    assert!(report.applied() && accumulator.is_empty(), "{report}");
+    Ok(())
+}
+
+/// The data-parallel accumulated step on a world of one is the one-process accumulated step, bit for
+/// bit, over windows that apply and one that overflows; its gradients travel once per window, as many
+/// bytes in as many collectives as plain data-parallel steps, one per window.
+#[test]
+fn the_data_parallel_accumulated_step_on_one_process_is_step_fused_accumulated() -> Outcome {
+    let (comm, plain_comm) = (SingleProcess::new(), SingleProcess::new());
+    let (plain, replica) = (reliability::fp16_net(6, 24, 3, 5)?, reliability::fp16_net(6, 24, 3, 5)?);
+    let adam = |m: &reliability::Net| FusedAdamW::new(ParamGroups::from_model(m)?, AdamConfig::default());
+    let (mut plain_adam, mut adam) = (adam(&plain)?, adam(&replica)?);
+    let config = || ScalerConfig { init_scale: 1024.0, ..Default::default() };
+    let (mut plain_scaler, mut scaler) = (GradScaler::new(config())?, GradScaler::new(config())?);
+    let (mut plain_acc, mut acc) = (GradAccumulator::new(), GradAccumulator::new());
+    let mut dp = DataParallel::new(&comm, DataParallelConfig { bucket_bytes: 160, ..Default::default() })?;
+    for window in 0..5u64 {
+        for j in 0..2 {
+            let (x, y) = reliability::batch(2 * window + j, 8, 6, 3)?;
+            let factor = if window == 2 && j == 1 { 1e30 } else { 0.5 };
+            plain_scaler.accumulate(
+                &plain,
+                &(reliability::mse(&plain, &x, &y)? * factor)?,
+                &mut plain_acc,
+            )?;
+            scaler.accumulate(&replica, &(reliability::mse(&replica, &x, &y)? * factor)?, &mut acc)?;
+        }
+        let a = plain_scaler.step_fused_accumulated(&mut plain_acc, &mut plain_adam, Some(1.0))?;
+        let b = dp.step_fused_accumulated(&mut scaler, &mut acc, &mut adam, Some(1.0))?;
+        assert_eq!((a.applied(), b.applied()), (window != 2, window != 2), "window {window}: {a} / {b}");
+        let left = reliability::snapshot(&plain, &[&plain_adam, &plain_scaler])?;
+        let right = reliability::snapshot(&replica, &[&adam, &scaler])?;
+        assert!(left == right, "window {window}: the data-parallel state parted from the one-process one");
+    }
+    let mut plain_dp =
+        DataParallel::new(&plain_comm, DataParallelConfig { bucket_bytes: 160, ..Default::default() })?;
+    let mut plain_scaler = GradScaler::new(config())?;
+    for step in 0..5u64 {
+        let (x, y) = reliability::batch(step, 8, 6, 3)?;
+        plain_dp.step_fused(
+            &mut plain_scaler,
+            &reliability::mse(&plain, &x, &y)?,
+            &mut plain_adam,
+            Some(1.0),
+        )?;
+    }
+    let (windows, steps) = (comm.traffic(), plain_comm.traffic());
+    assert_eq!(
+        (windows.all_reduce, windows.calls),
+        (steps.all_reduce, steps.calls),
+        "{windows:?} / {steps:?}"
+    );
+    assert!(windows.all_reduce >= 5 * 4 * 243, "{windows:?}");
+    Ok(())
+}
+
+/// O3 (bf16 parameters, no masters): the sums are still f32; `step_accumulated` hands `apply` each
+/// sum rounded once to the parameter's dtype, where the store of one backward pass would hold it.
+#[test]
+fn without_masters_the_sums_are_f32_and_apply_gets_them_rounded_once() -> Outcome {
+    let model = head(8, 4, AmpConfig::new(OptLevel::O3, &Device::Cpu).with_half(Precision::Bf16))?;
+    let mut scaler = GradScaler::disabled();
+    let mut accumulator = GradAccumulator::new();
+    for j in 0..64 {
+        let (x, y) = micro_batch(j, 4, 8, 4)?;
+        scaler.accumulate(&model, &(mse(&model, &x, &y)? / 64.0)?, &mut accumulator)?;
+    }
+    let params = model.named_params();
+    let mut rounded = Vec::new();
+    for (path, p) in &params {
+        assert_eq!(p.master().dtype(), DType::BF16, "{path}: O3 keeps no master");
+        let sum = accumulator.gradient(p.master().as_tensor()).ok_or("no sum")?;
+        assert_eq!(sum.dtype(), DType::F32, "{path}: summed in f32");
+        rounded.push(sum.to_dtype(DType::BF16)?);
+    }
+    let report = scaler.step_accumulated(&model, &mut accumulator, |grads| {
+        for ((path, p), want) in params.iter().zip(&rounded) {
+            let got = grads.get(p.master().as_tensor()).expect("keyed by the parameter");
+            assert_eq!(got.dtype(), DType::BF16, "{path}");
+            assert_eq!(reliability::bits(got), reliability::bits(want), "{path}");
+        }
+        Ok(())
+    })?;
+    assert!(report.applied(), "{report}");
+    Ok(())
+}
