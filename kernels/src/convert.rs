@@ -45,6 +45,24 @@ pub fn narrow_with(isa: Isa, src: &[f32], dst: HalfSliceMut<'_>) {
     par::run(One(Narrow { src, dst }), &Convert(Backend::new(isa)));
 }
 
+/// `dst += src` widened to f32, element by element (one f32 addition each: the gradient accumulator's
+/// sum of a micro-batch into the window's). Runs on [`Isa::detect`].
+///
+/// # Panics
+/// If the lengths differ.
+pub fn add_widened(src: GradSlice<'_>, dst: &mut [f32]) {
+    add_widened_with(Isa::detect(), src, dst);
+}
+
+/// [`add_widened`] on an explicit code path.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn add_widened_with(isa: Isa, src: GradSlice<'_>, dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "add_widened: source and destination lengths differ");
+    par::run(One(AddWidened(Widen { src, dst })), &Convert(Backend::new(isa)));
+}
+
 /// [`widen`] of one block on the calling thread, for loops inside other kernels (on the conversions'
 /// one x86 path, AVX2 + F16C, where the CPU has it).
 pub(crate) fn widen_block<T: Element>(src: &[T], dst: &mut [f32]) {
@@ -66,6 +84,9 @@ struct Narrow<'a> {
     dst: HalfSliceMut<'a>,
 }
 
+/// A [`Widen`] whose values are added to the destination's.
+struct AddWidened<'a>(Widen<'a>);
+
 impl Piece for Widen<'_> {
     fn len(&self) -> usize {
         self.dst.len()
@@ -74,6 +95,16 @@ impl Piece for Widen<'_> {
         let (sa, sb) = self.src.split_at(mid);
         let (da, db) = self.dst.split_at_mut(mid);
         (Widen { src: sa, dst: da }, Widen { src: sb, dst: db })
+    }
+}
+
+impl Piece for AddWidened<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (a, b) = self.0.split_at(mid);
+        (AddWidened(a), AddWidened(b))
     }
 }
 
@@ -106,6 +137,41 @@ impl<'a> Kernel<One<Widen<'a>>> for Convert {
             GradSlice::F32(s) => p.dst.copy_from_slice(s),
             GradSlice::F16(s) => widen_piece::<f16>(self.0, s, p.dst),
             GradSlice::Bf16(s) => widen_piece::<bf16>(self.0, s, p.dst),
+        }
+    }
+    fn merge(&self, (): (), (): ()) {}
+    fn finish(&self, _index: usize, (): (), (): ()) {}
+    fn join(&self, (): (), (): ()) {}
+    fn empty(&self) {}
+}
+
+/// Elements a half source is widened in at a time, on the stack, before they are added.
+const ADD_BLOCK: usize = 1024;
+
+impl<'a> Kernel<One<AddWidened<'a>>> for Convert {
+    type Acc = ();
+    type Out = ();
+    fn leaf(&self, AddWidened(p): AddWidened<'a>) {
+        fn add(src: &[f32], dst: &mut [f32]) {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d += s;
+            }
+        }
+        let mut block = [0f32; ADD_BLOCK];
+        match p.src {
+            GradSlice::F32(s) => add(s, p.dst),
+            GradSlice::F16(s) => {
+                for (src, dst) in s.chunks(ADD_BLOCK).zip(p.dst.chunks_mut(ADD_BLOCK)) {
+                    widen_piece::<f16>(self.0, src, &mut block[..src.len()]);
+                    add(&block[..src.len()], dst);
+                }
+            }
+            GradSlice::Bf16(s) => {
+                for (src, dst) in s.chunks(ADD_BLOCK).zip(p.dst.chunks_mut(ADD_BLOCK)) {
+                    widen_piece::<bf16>(self.0, src, &mut block[..src.len()]);
+                    add(&block[..src.len()], dst);
+                }
+            }
         }
     }
     fn merge(&self, (): (), (): ()) {}

@@ -4,7 +4,7 @@
 
 mod common;
 
-use amp_kernels::convert::{narrow_with, widen_with};
+use amp_kernels::convert::{add_widened_with, narrow_with, widen_with};
 use amp_kernels::{GradSlice, HalfSliceMut, Isa};
 use common::Rng;
 use half::{bf16, f16};
@@ -23,6 +23,37 @@ fn widening_every_f16_and_bf16_bit_pattern_matches_half() {
         widen_with(isa, GradSlice::Bf16(&b), &mut out);
         for (x, y) in b.iter().zip(&out) {
             assert_eq!(y.to_bits(), x.to_f32().to_bits(), "{isa:?} bf16 {:#06x}", x.to_bits());
+        }
+    }
+}
+
+/// `dst += src` widened, on every path, is the f32 sum of each element and its exact widening, bit for
+/// bit (every f16 and bf16 pattern against a destination of mixed magnitudes, inf and NaN included; an
+/// f32 source; lengths that end mid-block).
+#[test]
+fn adding_widened_values_is_one_f32_addition_per_element() {
+    let all: Vec<u16> = (0..=u16::MAX).collect();
+    let h: Vec<f16> = all.iter().map(|&b| f16::from_bits(b)).collect();
+    let b: Vec<bf16> = all.iter().map(|&b| bf16::from_bits(b)).collect();
+    let mut rng = Rng(11);
+    let mut start = rng.vec(all.len(), -20, 20);
+    start[7] = f32::INFINITY;
+    start[8] = f32::NAN;
+    let f = rng.vec(all.len(), -20, 20);
+    for isa in Isa::supported() {
+        for len in [all.len(), 1023, 1025, 3] {
+            let mut dst = start[..len].to_vec();
+            add_widened_with(isa, GradSlice::F16(&h[..len]), &mut dst);
+            let want: Vec<f32> = (0..len).map(|i| start[i] + h[i].to_f32_const()).collect();
+            common::assert_same(&format!("{isa:?} f16"), &dst, &want);
+            let mut dst = start[..len].to_vec();
+            add_widened_with(isa, GradSlice::Bf16(&b[..len]), &mut dst);
+            let want: Vec<f32> = (0..len).map(|i| start[i] + b[i].to_f32()).collect();
+            common::assert_same(&format!("{isa:?} bf16"), &dst, &want);
+            let mut dst = start[..len].to_vec();
+            add_widened_with(isa, GradSlice::F32(&f[..len]), &mut dst);
+            let want: Vec<f32> = (0..len).map(|i| start[i] + f[i]).collect();
+            common::assert_same(&format!("{isa:?} f32"), &dst, &want);
         }
     }
 }

@@ -11,7 +11,8 @@
 //! Every micro-batch is backpropagated at the same loss scale: the scale moves only when the window
 //! steps. A non-finite value in any micro-batch skips the whole step, as it would with one batch.
 //! The sums hold one f32 value per parameter element (as PyTorch's fp32 `.grad` does); each
-//! micro-batch adds to them with one elementwise pass. With `DataParallel`, the sums travel once per
+//! micro-batch adds to them with one elementwise pass, in place on the CPU (no tensor per parameter
+//! per micro-batch; on a GPU, candle's add). With `DataParallel`, the sums travel once per
 //! window ([`DataParallel::step_fused_accumulated`](crate::distributed::DataParallel::step_fused_accumulated)).
 //!
 //! ```
@@ -43,6 +44,7 @@
 //! # Ok(()) }
 //! ```
 
+use amp_kernels::GradSliceMut;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 
@@ -109,26 +111,27 @@ impl GradAccumulator {
     /// may hold more (candle also stores the gradient of a binary op's operand that is data); those
     /// are not kept.
     fn add(&mut self, grads: GradStore, keys: &[&Tensor], loss_finite: bool, scale: f32) -> Result<()> {
-        let mut widened = GradStore::default();
-        for key in keys {
-            if let Some(grad) = grads.get(key) {
-                widened.insert(key, grad.to_dtype(DType::F32)?);
-            }
-        }
-        match &mut self.sums {
-            None => self.sums = Some(widened),
-            Some(sums) => {
-                let ids: Vec<_> = widened.get_ids().copied().collect();
-                for id in ids {
-                    let Some(grad) = widened.get_id(id) else { continue };
-                    let sum = match sums.get_id(id) {
-                        Some(sum) => (sum + grad)?,
-                        None => grad.clone(),
-                    };
-                    sums.insert_id(id, sum);
+        let present: Vec<(&Tensor, &Tensor)> =
+            keys.iter().filter_map(|&key| grads.get(key).map(|grad| (key, grad))).collect();
+        let sums = self.sums.get_or_insert_with(GradStore::default);
+        // On the CPU, the window's sums grow in place: one pass over each, no new tensor.
+        let (mut targets, mut sources) = (Vec::new(), Vec::new());
+        for (key, grad) in present {
+            match sums.get(key) {
+                None => {
+                    sums.insert(key, owned_f32(grad)?);
+                }
+                Some(sum) if sum.device().is_cpu() && grad.device().is_cpu() => {
+                    targets.push(sum.clone());
+                    sources.push(grad.contiguous()?);
+                }
+                Some(sum) => {
+                    let total = (sum + grad.to_dtype(DType::F32)?)?;
+                    sums.insert(key, total);
                 }
             }
         }
+        add_in_place(&targets, &sources)?;
         self.loss_finite = loss_finite && (self.is_empty() || self.loss_finite);
         self.micro_batches += 1;
         self.scale = scale;
@@ -147,6 +150,36 @@ impl GradAccumulator {
         let grads = taken.sums.ok_or(Error::NothingAccumulated)?;
         Ok(Window { grads, loss_finite: taken.loss_finite })
     }
+}
+
+/// A gradient as the start of a window's sum: f32, contiguous, in memory of its own (the sums grow in
+/// place, so they must share no storage with a tensor that something else reads).
+fn owned_f32(grad: &Tensor) -> Result<Tensor> {
+    Ok(match grad.dtype() {
+        DType::F32 => grad.force_contiguous()?,
+        // A new tensor, written contiguously.
+        _ => grad.to_dtype(DType::F32)?,
+    })
+}
+
+/// `targets[i] += sources[i]` widened to f32, in place (CPU tensors; the targets f32 sums of their own).
+fn add_in_place(targets: &[Tensor], sources: &[Tensor]) -> Result<()> {
+    let targets: Vec<&Tensor> = targets.iter().collect();
+    let sources: Vec<&Tensor> = sources.iter().collect();
+    crate::storage::with_slices(&sources, |sources| {
+        let mut sources = sources.iter();
+        crate::storage::for_each_batch_mut(&targets, |targets| {
+            for target in targets.iter_mut() {
+                match (target, sources.next()) {
+                    (GradSliceMut::F32(sum), Some(&grad)) => amp_kernels::convert::add_widened(grad, sum),
+                    _ => return Err(Error::Internal { what: "a gradient sum that is not f32".into() }),
+                }
+            }
+            Ok(())
+        })
+    })??
+    .into_iter()
+    .collect()
 }
 
 impl GradScaler {
