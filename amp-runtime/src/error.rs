@@ -164,18 +164,31 @@ pub enum Error {
     },
 
     // ---- loss scaling ----
-    /// A micro-batch accumulated, or a window stepped, at a loss scale other than the window's first
-    /// micro-batch's.
+    /// A micro-batch accumulated, or a window stepped, after the scaler stepped or was restored since
+    /// the window's first micro-batch.
     #[error(
-        "the loss scale moved from {from} to {to} during a gradient accumulation window (another step of \
-         this scaler ran, or its state was loaded, between `GradScaler::accumulate` and the window's step): \
-         the sums would mix two scales. Step each window before any other step of its scaler"
+        "a gradient accumulation window was interrupted: its scaler took {steps} step(s) since the window's \
+         first micro-batch (loss scale {from} -> {to}), so its micro-batches saw different weights or scales. \
+         Step each window (`step_fused_accumulated`) before any other step of its scaler"
     )]
-    AccumulationScaleChanged {
-        /// The scale of the window's micro-batches.
+    AccumulationInterrupted {
+        /// Steps of the scaler inside the window (0 when it was restored to another state).
+        steps: u64,
+        /// The scale of the window's first micro-batch.
         from: f32,
         /// The scaler's scale now.
         to: f32,
+    },
+    /// An accumulated step whose optimizer updates a parameter that no model given to `accumulate` in
+    /// the window holds.
+    #[error(
+        "`{path}` is updated by the optimizer, but no model given to `GradScaler::accumulate` in this window \
+         holds it, so its gradients were not summed: pass `accumulate` the model that holds every parameter \
+         the optimizer updates"
+    )]
+    NotAccumulated {
+        /// The parameter.
+        path: String,
     },
     /// A step from a gradient accumulator that holds no micro-batch.
     #[error(

@@ -113,7 +113,10 @@ impl<'c> DataParallel<'c> {
     /// number of steps.
     ///
     /// # Errors
-    /// Those of [`GradScaler::step_fused_accumulated`] and of the communicator.
+    /// Those of [`GradScaler::step_fused_accumulated`] and of the communicator. A window refused
+    /// before it starts (empty, interrupted, not holding a parameter) is refused on this rank alone,
+    /// before any collective: its peers wait, so end the job with `comm.abort` (docs/DISTRIBUTED.md,
+    /// "Failure behaviour").
     pub fn step_fused_accumulated(
         &mut self,
         scaler: &mut GradScaler,

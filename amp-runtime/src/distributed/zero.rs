@@ -247,7 +247,10 @@ impl<'c> Zero1<'c> {
     ///
     /// # Errors
     /// Those of [`step_fused`](Self::step_fused) and of
-    /// [`GradScaler::step_fused_accumulated`].
+    /// [`GradScaler::step_fused_accumulated`]; a window that does not hold every parameter of the
+    /// model, this rank's shard or not, is [`Error::NotAccumulated`]. A refused window is refused on
+    /// this rank alone, before any collective, as in
+    /// [`DataParallel::step_fused_accumulated`](super::DataParallel::step_fused_accumulated).
     pub fn step_fused_accumulated(
         &mut self,
         scaler: &mut GradScaler,
@@ -256,6 +259,9 @@ impl<'c> Zero1<'c> {
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport> {
         self.check_optimizer(optimizer)?;
+        // Every parameter is reduce-scattered, not only this rank's shard: the window must hold them all.
+        accumulator
+            .check_covers(self.groups.params.iter().map(|p| (p.path.as_str(), p.master.as_tensor())))?;
         scaler.step_fused_accumulated_staged(accumulator, optimizer, max_grad_norm, self)
     }
 

@@ -163,8 +163,10 @@ impl GradScaler {
     ///
     /// # Errors
     /// [`Error::NothingAccumulated`](crate::Error::NothingAccumulated) for an empty accumulator;
-    /// [`Error::AccumulationScaleChanged`](crate::Error::AccumulationScaleChanged); those of
-    /// [`step_fused`](Self::step_fused).
+    /// [`Error::AccumulationInterrupted`](crate::Error::AccumulationInterrupted) when this scaler stepped
+    /// inside the window; [`Error::NotAccumulated`](crate::Error::NotAccumulated) for an optimizer
+    /// parameter that no model given to `accumulate` holds (each refused before anything changes,
+    /// the sums kept); those of [`step_fused`](Self::step_fused).
     pub fn step_fused_accumulated(
         &mut self,
         accumulator: &mut crate::scaler::GradAccumulator,
@@ -183,14 +185,13 @@ impl GradScaler {
         stages: &mut dyn StepStages,
     ) -> Result<StepReport> {
         self.reclaim()?;
-        let crate::scaler::Window { mut grads, loss_finite } = accumulator.take(self.scale())?;
+        let params = optimizer.param_groups().params();
+        let updated = params.iter().map(|p| (p.path.as_str(), p.master.as_tensor()));
+        // The sums are folded onto the masters already (`accumulate`), each in f32.
+        let crate::scaler::Window { grads, loss_finite } = accumulator.take(self.window_mark(), updated)?;
         if !loss_finite && !stages.collective() {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
-        // The sums are keyed by the masters of the model `accumulate` was given; parameters of the
-        // optimizer's outside it may still hold both keys.
-        params::fold_split_gradients(optimizer.param_groups().params(), &mut grads)?;
-        stages.fold_split_gradients(&mut grads)?;
         let nothing_checked = crate::gradient_sink::CheckedFinite::default();
         self.step_fused_from(grads, &nothing_checked, loss_finite, optimizer, max_grad_norm, stages)
     }

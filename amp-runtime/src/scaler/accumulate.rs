@@ -44,9 +44,11 @@
 //! # Ok(()) }
 //! ```
 
+use std::collections::HashSet;
+
 use amp_kernels::GradSliceMut;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, TensorId};
 
 use super::GradScaler;
 use crate::error::{Error, Result};
@@ -55,18 +57,23 @@ use crate::{AmpModule, AmpModuleExt};
 /// The f32 sums of the gradients of the micro-batches seen since the last step
 /// ([`GradScaler::accumulate`]). Hand it to [`GradScaler::step_fused_accumulated`] (or
 /// [`GradScaler::step_accumulated`], or the data-parallel step of the same name) for the one step;
-/// the step empties it, whether it applies or skips (a step refused for a moved scale keeps the sums).
+/// the step empties it, whether it applies or skips. A step refused before it starts (an empty
+/// window, an interrupted one, an optimizer parameter the window does not cover) keeps the sums.
 #[derive(Debug, Default)]
 pub struct GradAccumulator {
     /// The sums, f32, keyed by each parameter's master (or the parameter itself where it has none);
     /// `None` before the first micro-batch.
     sums: Option<GradStore>,
+    /// The masters of the parameters of the models given to `accumulate` in this window, with or
+    /// without a gradient.
+    covered: HashSet<TensorId>,
     /// Micro-batches summed.
     micro_batches: usize,
     /// False once a micro-batch's loss was inf or NaN.
     loss_finite: bool,
-    /// The loss scale every micro-batch was backpropagated at.
+    /// The scaler's loss scale and step count at the window's first micro-batch.
     scale: f32,
+    scaler_steps: u64,
 }
 
 /// A window of micro-batches taken for a step.
@@ -93,6 +100,7 @@ impl GradAccumulator {
 
     /// The summed gradient (f32, still multiplied by the loss scale) of the parameter whose master is
     /// `master` (the variable itself for a parameter without one: [`Param::master`](crate::Param::master)).
+    /// The sum grows in place with the window's later micro-batches: copy it to keep this value.
     pub fn gradient(&self, master: &Tensor) -> Option<&Tensor> {
         self.sums.as_ref()?.get(master)
     }
@@ -106,17 +114,39 @@ impl GradAccumulator {
             .sum()
     }
 
+    /// The window's interruption, if the scaler (at `scale`, after `steps` steps) stepped or was
+    /// restored since the window's first micro-batch.
+    fn interrupted(&self, scale: f32, steps: u64) -> Option<Error> {
+        let moved = self.scale.to_bits() != scale.to_bits() || self.scaler_steps != steps;
+        (!self.is_empty() && moved).then(|| Error::AccumulationInterrupted {
+            steps: steps.wrapping_sub(self.scaler_steps),
+            from: self.scale,
+            to: scale,
+        })
+    }
+
     /// Adds the gradients of `keys` (the model's parameters: masters, and variables without one) from
-    /// one micro-batch's backward pass at `scale`, already folded onto the masters, in f32. The store
-    /// may hold more (candle also stores the gradient of a binary op's operand that is data); those
-    /// are not kept.
-    fn add(&mut self, grads: GradStore, keys: &[&Tensor], loss_finite: bool, scale: f32) -> Result<()> {
-        let present: Vec<(&Tensor, &Tensor)> =
-            keys.iter().filter_map(|&key| grads.get(key).map(|grad| (key, grad))).collect();
+    /// one micro-batch's backward pass, already folded onto the masters, in f32. The store may hold
+    /// more (candle also stores the gradient of a binary op's operand that is data); those are not
+    /// kept. An error empties the accumulator: its sums could be partly added.
+    fn add(&mut self, grads: GradStore, keys: &[&Tensor], loss_finite: bool) -> Result<()> {
+        let added = self.add_sums(&grads, keys);
+        if added.is_err() {
+            *self = GradAccumulator::default();
+        }
+        added?;
+        self.covered.extend(keys.iter().map(|k| k.id()));
+        self.loss_finite = loss_finite && (self.is_empty() || self.loss_finite);
+        self.micro_batches += 1;
+        Ok(())
+    }
+
+    fn add_sums(&mut self, grads: &GradStore, keys: &[&Tensor]) -> Result<()> {
         let sums = self.sums.get_or_insert_with(GradStore::default);
         // On the CPU, the window's sums grow in place: one pass over each, no new tensor.
         let (mut targets, mut sources) = (Vec::new(), Vec::new());
-        for (key, grad) in present {
+        for &key in keys {
+            let Some(grad) = grads.get(key) else { continue };
             match sums.get(key) {
                 None => {
                     sums.insert(key, owned_f32(grad)?);
@@ -131,21 +161,35 @@ impl GradAccumulator {
                 }
             }
         }
-        add_in_place(&targets, &sources)?;
-        self.loss_finite = loss_finite && (self.is_empty() || self.loss_finite);
-        self.micro_batches += 1;
-        self.scale = scale;
-        Ok(())
+        add_in_place(&targets, &sources)
     }
 
-    /// Empties the accumulator for a step at `scale`; on an error it keeps its sums.
-    pub(crate) fn take(&mut self, scale: f32) -> Result<Window> {
+    /// [`Error::NotAccumulated`] for the first of `params` (paths and masters) that no model given to
+    /// `accumulate` in this window holds.
+    pub(crate) fn check_covers<'p>(
+        &self,
+        mut params: impl Iterator<Item = (&'p str, &'p Tensor)>,
+    ) -> Result<()> {
+        match params.find(|(_, master)| !self.covered.contains(&master.id())) {
+            Some((path, _)) => Err(Error::NotAccumulated { path: path.to_string() }),
+            None => Ok(()),
+        }
+    }
+
+    /// Empties the accumulator for a step of a scaler at `scale` after `steps` steps, whose optimizer
+    /// updates `updated` (masters); on an error it keeps its sums.
+    pub(crate) fn take<'p>(
+        &mut self,
+        (scale, steps): (f32, u64),
+        updated: impl Iterator<Item = (&'p str, &'p Tensor)>,
+    ) -> Result<Window> {
         if self.is_empty() {
             return Err(Error::NothingAccumulated);
         }
-        if self.scale.to_bits() != scale.to_bits() {
-            return Err(Error::AccumulationScaleChanged { from: self.scale, to: scale });
+        if let Some(interrupted) = self.interrupted(scale, steps) {
+            return Err(interrupted);
         }
+        self.check_covers(updated)?;
         let taken = std::mem::take(self);
         let grads = taken.sums.ok_or(Error::NothingAccumulated)?;
         Ok(Window { grads, loss_finite: taken.loss_finite })
@@ -185,19 +229,19 @@ fn add_in_place(targets: &[Tensor], sources: &[Tensor]) -> Result<()> {
 impl GradScaler {
     /// Backpropagates one micro-batch's loss at the current loss scale and adds the gradients of
     /// `model`'s parameters, widened to f32, into `accumulator`, keyed by their fp32 masters (variables
-    /// outside `model` are not kept). Divide each micro-batch's loss
-    /// by the number of micro-batches when the step should see the mean over the whole batch, as a
-    /// single batch's mean loss would give. Nothing is stepped and the scale does not move: call
-    /// [`step_fused_accumulated`](Self::step_fused_accumulated) (or
+    /// outside `model` are not kept: give the model that holds every parameter the optimizer updates).
+    /// Divide each micro-batch's loss by the number of micro-batches when the step should see the mean
+    /// over the whole batch, as a single batch's mean loss would give. Nothing is stepped and the scale
+    /// does not move: call [`step_fused_accumulated`](Self::step_fused_accumulated) (or
     /// [`step_accumulated`](Self::step_accumulated)) once the window is complete.
     ///
     /// A micro-batch whose loss is inf or NaN is still backpropagated and marks the window: its step
     /// is skipped as one with a non-finite loss.
     ///
     /// # Errors
-    /// [`Error::AccumulationScaleChanged`] when the scale moved since the window's first micro-batch
-    /// (another step of this scaler ran in between; nothing is added); [`Error::Unsettled`] while
-    /// deferred steps are queued; candle's errors.
+    /// [`Error::AccumulationInterrupted`] when this scaler stepped or was restored since the window's
+    /// first micro-batch (nothing is added); [`Error::Unsettled`] while deferred steps are queued;
+    /// candle's errors (the accumulator is then emptied: its sums could be partly added).
     pub fn accumulate<M: AmpModule + ?Sized>(
         &mut self,
         model: &M,
@@ -206,16 +250,27 @@ impl GradScaler {
     ) -> Result<()> {
         self.reclaim()?;
         self.expect_settled("accumulate")?;
-        let scale = self.scale();
-        if !accumulator.is_empty() && accumulator.scale.to_bits() != scale.to_bits() {
-            return Err(Error::AccumulationScaleChanged { from: accumulator.scale, to: scale });
+        let (scale, steps) = (self.scale(), self.state().steps);
+        if let Some(interrupted) = accumulator.interrupted(scale, steps) {
+            return Err(interrupted);
         }
         let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
         let mut grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
         crate::grads_to_masters(model, &mut grads)?;
         let params = model.named_params();
-        let keys: Vec<&Tensor> = params.iter().map(|(_, p)| p.master().as_tensor()).collect();
-        accumulator.add(grads, &keys, value.is_finite(), scale)
+        // A variable shared by two layers (tied weights) is listed once per layer: summed once.
+        let mut seen = HashSet::new();
+        let keys: Vec<&Tensor> =
+            params.iter().map(|(_, p)| p.master().as_tensor()).filter(|t| seen.insert(t.id())).collect();
+        if accumulator.is_empty() {
+            (accumulator.scale, accumulator.scaler_steps) = (scale, steps);
+        }
+        accumulator.add(grads, &keys, value.is_finite())
+    }
+
+    /// The scale and step count an accumulation window checks ([`GradAccumulator::take`]).
+    pub(crate) fn window_mark(&self) -> (f32, u64) {
+        (self.scale(), self.state().steps)
     }
 
     /// One step of a user's optimizer from the accumulated gradients, as [`step`](Self::step) does
@@ -225,8 +280,9 @@ impl GradScaler {
     /// `accumulator`.
     ///
     /// # Errors
-    /// [`Error::NothingAccumulated`] for an empty accumulator; [`Error::AccumulationScaleChanged`];
-    /// those of [`step`](Self::step).
+    /// [`Error::NothingAccumulated`] for an empty accumulator; [`Error::AccumulationInterrupted`];
+    /// [`Error::NotAccumulated`] when the window's models do not hold a parameter of `model`; those of
+    /// [`step`](Self::step).
     pub fn step_accumulated<M: AmpModule + ?Sized>(
         &mut self,
         model: &M,
@@ -234,11 +290,13 @@ impl GradScaler {
         apply: impl FnOnce(&mut GradStore) -> Result<()>,
     ) -> Result<crate::scaler::StepReport> {
         self.reclaim()?;
-        let Window { mut grads, loss_finite } = accumulator.take(self.scale())?;
+        let params = model.named_params();
+        let updated = params.iter().map(|(path, p)| (path.as_str(), p.master().as_tensor()));
+        let Window { mut grads, loss_finite } = accumulator.take(self.window_mark(), updated)?;
         if !loss_finite {
             return self.update(Some(super::SkipReason::NonFiniteLoss));
         }
-        for (_, param) in model.named_params() {
+        for (_, param) in &params {
             let var = param.master().as_tensor();
             if var.dtype() != DType::F32 {
                 if let Some(sum) = grads.remove(var) {
