@@ -257,11 +257,17 @@ impl GradScaler {
         let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
         let mut grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
         crate::grads_to_masters(model, &mut grads)?;
-        let params = model.named_params();
-        // A variable shared by two layers (tied weights) is listed once per layer: summed once.
-        let mut seen = HashSet::new();
-        let keys: Vec<&Tensor> =
-            params.iter().map(|(_, p)| p.master().as_tensor()).filter(|t| seen.insert(t.id())).collect();
+        // The masters, each once: a variable shared by two layers (tied weights) is summed once.
+        let (mut masters, mut seen) = (Vec::new(), HashSet::new());
+        model.visit(&mut crate::Cursor::new(), &mut |_: crate::LayerSite<'_>, layer: &dyn crate::Layer| {
+            for (_, param) in layer.params() {
+                let master = param.master().as_tensor();
+                if seen.insert(master.id()) {
+                    masters.push(master.clone());
+                }
+            }
+        });
+        let keys: Vec<&Tensor> = masters.iter().collect();
         if accumulator.is_empty() {
             (accumulator.scale, accumulator.scaler_steps) = (scale, steps);
         }
