@@ -70,10 +70,10 @@ fn forward_backward(config: AmpConfig) -> Result<(Tensor, Vec<(String, Tensor)>)
             candle_core::Error::Msg(format!("{path} has no gradient under {}", config.opt_level))
         })?;
         // A Linear's weight is read by amp's CPU GEMM as its source, the master (f32 unless O3 keeps
-        // none), rounded while packing: its gradient has the master's dtype. Every other gradient has
-        // the trainable's.
-        let linear_weight = path.ends_with(".weight") && !path.starts_with("norm");
-        let expected = if linear_weight { param.master().dtype() } else { param.trainable().dtype() };
+        // none), rounded while packing, and its bias through the master as well: their gradients have
+        // the master's dtype. The LayerNorm's have the trainable's.
+        let linear = !path.starts_with("norm");
+        let expected = if linear { param.master().dtype() } else { param.trainable().dtype() };
         assert_eq!(grad.dtype(), expected, "{path} under {}", config.opt_level);
         out.push((path, grad.to_dtype(DType::F32)?));
     }

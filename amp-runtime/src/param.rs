@@ -46,8 +46,9 @@ pub enum GradientRoute {
     /// gradient comes out of the GEMM in f32, keyed by the master: never rounded to half, and never
     /// added in half in candle's gradient store (candle adds every gradient into a fresh zero tensor,
     /// and its bf16 add runs at a tenth of its f32 add's speed). amp's CPU embedding reads its table
-    /// the same way (its gradient a scatter-add in f32). Ops that are not amp's (CUDA, candle's
-    /// kernel) read the working copy as before. The default.
+    /// the same way (its gradient a scatter-add in f32), and the layers whose products run there read
+    /// their biases so (the gradient of a bias, a sum over the batch, stays f32). Ops
+    /// that are not amp's (CUDA, candle's kernel) read the working copy as before. The default.
     #[default]
     Master,
     /// Every op reads the half working copy, whose gradient is half (Apex's O2). What
@@ -140,6 +141,21 @@ impl Param {
             },
             _ => crate::ops::Operand::of(self.trainable.as_tensor()),
         })
+    }
+
+    /// The parameter in f32 as an addend of the f32 sums of a product computed in `compute` on
+    /// `device` (a bias). Where the product runs on amp's CPU GEMM under [`GradientRoute::Master`],
+    /// and there is a master: the working copy's values widened (the master rounded to the working
+    /// precision, so the forward is unchanged bit for bit), differentiated as the master, so that the
+    /// gradient (a sum over the batch, formed in f32) reaches it in f32 as the weight's does, not
+    /// rounded to half by a cast's backward. Elsewhere [`Param::in_precision`] to fp32.
+    pub(crate) fn as_f32_addend(&self, compute: Precision, device: &Device) -> candle_core::Result<Tensor> {
+        match (self.route, &self.master) {
+            (GradientRoute::Master, Some(master)) if crate::dispatch::runs_on_amp_gemm(device, compute) => {
+                crate::ops::read_through_master(master.as_tensor(), self.trainable.as_tensor())
+            }
+            _ => self.in_precision(Precision::Fp32),
+        }
     }
 
     /// Where products on amp's CPU GEMM take this parameter's gradient.

@@ -104,7 +104,7 @@ impl MultiHeadAttention {
 /// it as it reads it).
 fn project(proj: &Linear, x: &Tensor) -> Result<Tensor> {
     let compute = proj.precision().compute;
-    let bias = proj.bias().map(|b| b.in_precision(Precision::Fp32)).transpose()?;
+    let bias = proj.bias().map(|b| b.as_f32_addend(compute, x.device())).transpose()?;
     ops::linear_to(
         x,
         &proj.weight().for_product(compute, x.device())?,

@@ -176,7 +176,7 @@ impl Module for Conv1d {
                 conv1d_through_2d(&xs.to_dtype(compute.dtype())?, &self.weight.in_precision(compute)?, c)?
             }
         };
-        add_bias(y, self.bias.as_ref(), 3)?.to_dtype(out)
+        add_bias(y, self.bias.as_ref(), 3, compute)?.to_dtype(out)
     }
 }
 
@@ -196,7 +196,7 @@ impl Module for Conv2d {
             Some(y) => y,
             None => conv2d_any_dtype(&xs.to_dtype(compute.dtype())?, &self.weight.in_precision(compute)?, c)?,
         };
-        add_bias(y, self.bias.as_ref(), 4)?.to_dtype(out)
+        add_bias(y, self.bias.as_ref(), 4, compute)?.to_dtype(out)
     }
 }
 
@@ -237,10 +237,11 @@ fn conv1d_through_2d(x: &Tensor, w: &Tensor, c: &Conv1dConfig) -> Result<Tensor>
 
 /// Adds the `(out)` bias along dim 1 of a rank-`rank` result in f32 and rounds the sum once to the
 /// result's dtype (a GEMM epilogue's order). Adding in f32 also makes the bias gradient, a sum over
-/// batch and positions, accumulate in f32 rather than in the half dtype.
-fn add_bias(y: Tensor, bias: Option<&Param>, rank: usize) -> Result<Tensor> {
+/// batch and positions, accumulate in f32 rather than in the half dtype; under O2 on amp's GEMM it
+/// reaches the fp32 master in f32 ([`Param::as_f32_addend`]).
+fn add_bias(y: Tensor, bias: Option<&Param>, rank: usize, compute: Precision) -> Result<Tensor> {
     let Some(bias) = bias else { return Ok(y) };
-    let bias = bias.in_precision(Precision::Fp32)?;
+    let bias = bias.as_f32_addend(compute, y.device())?;
     let mut shape = vec![1; rank];
     shape[1] = bias.dims1()?;
     y.to_dtype(DType::F32)?.broadcast_add(&bias.reshape(shape)?)?.to_dtype(y.dtype())

@@ -3,9 +3,10 @@
 //! Shapes: `x` is `(.., in)`, `W` is `(out, in)`, `b` is `(out)`, `y` is `(.., out)`. The product runs in
 //! the compute precision with f32 accumulation ([`crate::ops::matmul_to`]: amp's GEMM on the CPU, the
 //! weight read transposed in place and rounded while packed, from its fp32 master under O2:
-//! [`crate::GradientRoute`]), the bias is added in f32, and the result is rounded once to the layer's
-//! output precision. On CUDA candle's matmul returns a half product in the compute dtype, so there the
-//! sum is rounded to it first and once more after the bias.
+//! [`crate::GradientRoute`]), the bias is added in f32 (its gradient, under O2, to the master in f32),
+//! and the result is rounded once to the layer's output precision. On CUDA candle's matmul returns a
+//! half product in the compute dtype, so there the sum is rounded to it first and once more after the
+//! bias.
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
@@ -81,8 +82,9 @@ impl Linear {
         // gradient comes out of the GEMM in f32 (`GradientRoute`); elsewhere the working copy.
         let w = self.weight.for_product(compute, xs.device())?;
         // The bias in f32: its gradient sums the upstream gradient over the batch, and that sum must not
-        // accumulate in half precision. The product is summed in f32 and rounded once, to `out`.
-        let bias = self.bias.as_ref().map(|b| b.in_precision(crate::Precision::Fp32)).transpose()?;
+        // accumulate in half precision, nor (under O2, on amp's GEMM) be rounded to the half working
+        // copy. The product is summed in f32 and rounded once, to `out`.
+        let bias = self.bias.as_ref().map(|b| b.as_f32_addend(compute, xs.device())).transpose()?;
         crate::ops::linear_to(xs, &w, bias.as_ref(), compute, out, epilogue)
     }
 }

@@ -43,6 +43,7 @@ pub mod loss;
 mod padded;
 mod promote;
 mod relu;
+mod working_values;
 
 pub(crate) use attention::attention_of_heads;
 pub use attention::scaled_dot_product_attention;
@@ -58,6 +59,7 @@ pub(crate) use gemm::{Epilogue, Operand};
 pub(crate) use layer_norm::layer_norm;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 pub use relu::relu;
+pub(crate) use working_values::read_through_master;
 
 use candle_core::{DType, Result, Tensor};
 
