@@ -162,6 +162,20 @@ pub enum Error {
         /// The storage asked for.
         to: crate::ParamStorage,
     },
+    /// Two layers share one parameter (tied weights) but their precisions ask for different storage.
+    #[error(
+        "`{path}` is the same variable as `{tied_to}` (tied weights), but its layer asks for {storage:?}          where `{tied_to}`'s asks for {tied_storage:?}: give both layers the same precision (the same          `#[amp(...)]`), or give them variables of their own"
+    )]
+    TiedStorageDiffers {
+        /// The parameter met second.
+        path: String,
+        /// The path it was met at first.
+        tied_to: String,
+        /// The storage its layer asks for.
+        storage: crate::ParamStorage,
+        /// The storage the first layer gave it.
+        tied_storage: crate::ParamStorage,
+    },
 
     // ---- loss scaling ----
     /// A micro-batch accumulated, or a window stepped, after the scaler stepped or was restored since

@@ -1,7 +1,11 @@
 //! `amp::initialize`: turns a model built with fp32 weights into its mixed-precision form.
 
+use std::collections::HashMap;
+
+use candle_core::TensorId;
+
 use crate::error::{Error, Result};
-use crate::{AmpConfig, AmpModule, Cursor, Layer, LayerPrecision, LayerSite, ParamStorage, Precision};
+use crate::{AmpConfig, AmpModule, Cursor, Layer, LayerPrecision, LayerSite, Param, ParamStorage, Precision};
 
 /// Applies an optimisation level to `model`: sets every layer's compute and output precision from its
 /// attributes and the level, and converts parameter storage (half working copies with fp32 masters
@@ -11,10 +15,21 @@ use crate::{AmpConfig, AmpModule, Cursor, Layer, LayerPrecision, LayerSite, Para
 /// Precedence per layer: fp32-pinned layers always compute in fp32; at O0 everything is fp32 (the
 /// baseline ignores attributes); otherwise the innermost `#[amp(...)]` on the layer's path, else the
 /// level's compute precision (`half`, resolved by `config.half`).
+///
+/// A parameter that several layers share (tied weights: one variable) stays shared: converted once,
+/// every layer then holds the same master and working copy.
+///
+/// # Errors
+/// [`Error::StorageFixed`] for a model built through an `AmpVarMap` asked for another level;
+/// [`Error::TiedStorageDiffers`] when the layers that share a parameter ask for different storage;
+/// candle's errors from the conversion. A model may be left partly converted: initialize it again.
 pub fn initialize<M: AmpModule + ?Sized>(model: &mut M, config: AmpConfig) -> Result<()> {
     let policy = config.opt_level.policy();
     let output = Some(config.activation_precision());
     let mut first_error = None;
+    // Each variable converted so far (by the id of its master before conversion): where it was met
+    // first, the storage it got, and the converted parameter that later layers sharing it take.
+    let mut converted: HashMap<TensorId, (String, ParamStorage, Param)> = HashMap::new();
     let mut apply = |site: LayerSite<'_>, layer: &mut dyn Layer| {
         if first_error.is_some() {
             return;
@@ -32,6 +47,17 @@ pub fn initialize<M: AmpModule + ?Sized>(model: &mut M, config: AmpConfig) -> Re
         };
         let fixed = layer.storage_fixed();
         for (name, param) in layer.params_mut() {
+            let key = param.master().as_tensor().id();
+            if let Some((tied_to, tied_storage, shared)) = converted.get(&key) {
+                if *tied_storage != storage {
+                    let (path, tied_to, tied_storage) =
+                        (site.param_path(name), tied_to.clone(), *tied_storage);
+                    first_error = Some(Error::TiedStorageDiffers { path, tied_to, storage, tied_storage });
+                    return;
+                }
+                *param = shared.clone();
+                continue;
+            }
             if fixed && param.storage() != storage {
                 let (path, from, to) = (site.param_path(name), param.storage(), storage);
                 first_error = Some(Error::StorageFixed { path, from, to });
@@ -41,6 +67,7 @@ pub fn initialize<M: AmpModule + ?Sized>(model: &mut M, config: AmpConfig) -> Re
                 first_error = Some(err);
                 return;
             }
+            converted.insert(key, (site.param_path(name), storage, param.clone()));
         }
     };
     model.visit_mut(&mut Cursor::new(), &mut apply);

@@ -16,7 +16,7 @@ use crate::{AmpModule, AmpModuleExt, Cursor, GradientRoute, Layer, LayerSite};
 /// This widening pass is what the fused optimizers of `amp::optim` avoid; it is here so that any candle
 /// optimizer works with O2 models.
 pub fn grads_to_masters<M: AmpModule + ?Sized>(model: &M, grads: &mut GradStore) -> Result<()> {
-    for (_, param) in model.named_params() {
+    for (_, param) in model.unique_params() {
         if let Some(working) = param.working() {
             fold(grads, working, param.master())?;
         }
@@ -69,7 +69,7 @@ pub(crate) fn gradient<'g>(
 
 /// Copies every fp32 master into its half working copy, after an optimizer updated the masters.
 pub fn refresh_working_copies<M: AmpModule + ?Sized>(model: &M) -> Result<()> {
-    for (_, param) in model.named_params() {
+    for (_, param) in model.unique_params() {
         param.refresh_working()?;
     }
     Ok(())

@@ -58,7 +58,7 @@ impl DataParallelConfig {
 /// [`Error::ReplicasDiffer`] on every rank when some rank's parameters differ from rank 0's (nothing
 /// was changed); those of the communicator.
 pub fn broadcast_masters<M: AmpModule + ?Sized>(comm: &dyn Communicator, model: &M) -> Result<()> {
-    let params = model.named_params();
+    let params = model.unique_params();
     check_same_params(comm, &params)?;
     let masters: Vec<&Tensor> = params.iter().map(|(_, p)| p.master().as_tensor()).collect();
     if crate::cuda::on_cuda(&masters) {

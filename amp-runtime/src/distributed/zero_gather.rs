@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{Tensor, Var};
+use candle_core::{Tensor, TensorId, Var};
 use half::{bf16, f16};
 
 use amp_kernels::{GradSlice, GradSliceMut};
@@ -38,8 +38,9 @@ impl Zero1<'_> {
     /// (nothing is released then).
     pub fn shard_masters<M: AmpModule + ?Sized>(&mut self, model: &mut M) -> Result<usize> {
         let rank = self.comm.rank();
-        let index: HashMap<&str, usize> =
-            self.groups.params.iter().enumerate().map(|(i, p)| (p.path.as_str(), i)).collect();
+        // By working copy: a parameter that several layers share (tied weights) is one group entry.
+        let index: HashMap<TensorId, usize> =
+            self.groups.params.iter().enumerate().map(|(i, p)| (p.trainable.as_tensor().id(), i)).collect();
         let release: Vec<bool> = self
             .groups
             .params
@@ -52,16 +53,10 @@ impl Zero1<'_> {
         let mut stranger = None;
         model.visit(&mut Cursor::new(), &mut |site: LayerSite<'_>, layer: &dyn Layer| {
             for (name, param) in layer.params() {
-                let path = site.param_path(name);
-                match index.get(path.as_str()) {
-                    Some(&i)
-                        if param.trainable().as_tensor().id()
-                            == self.groups.params[i].trainable.as_tensor().id() =>
-                    {
-                        found[i] = true;
-                    }
-                    _ => {
-                        stranger.get_or_insert(path);
+                match index.get(&param.trainable().as_tensor().id()) {
+                    Some(&i) => found[i] = true,
+                    None => {
+                        stranger.get_or_insert(site.param_path(name));
                     }
                 }
             }
@@ -79,14 +74,16 @@ impl Zero1<'_> {
                 ),
             });
         }
-        let mut released = 0;
-        model.visit_mut(&mut Cursor::new(), &mut |site: LayerSite<'_>, layer: &mut dyn Layer| {
-            for (name, param) in layer.params_mut() {
-                let i = index[site.param_path(name).as_str()];
+        let (mut released, mut counted) = (0, vec![false; release.len()]);
+        model.visit_mut(&mut Cursor::new(), &mut |_: LayerSite<'_>, layer: &mut dyn Layer| {
+            for (_, param) in layer.params_mut() {
+                // Every parameter was found above.
+                let Some(&i) = index.get(&param.trainable().as_tensor().id()) else { continue };
                 // Every rank takes every gradient against the working copy, as the ranks without a
                 // master must.
                 param.set_gradient_route(GradientRoute::Working);
-                if release[i] && param.release_master() {
+                // Each layer's handle on a shared parameter lets go of the master; it counts once.
+                if release[i] && param.release_master() && !std::mem::replace(&mut counted[i], true) {
                     released += 4 * param.elem_count();
                 }
             }

@@ -80,6 +80,17 @@ pub trait AmpModuleExt: AmpModule {
         out
     }
 
+    /// Every parameter once, at the first path it is found at: a parameter that several layers share
+    /// (tied weights) appears once, where [`named_params`](Self::named_params) lists it under each
+    /// path. What steps and collectives iterate over, so that a shared parameter is unscaled, reduced
+    /// and updated once.
+    fn unique_params(&self) -> Vec<(String, crate::Param)> {
+        let mut seen = std::collections::HashSet::new();
+        let mut params = self.named_params();
+        params.retain(|(_, p)| seen.insert(p.master().as_tensor().id()));
+        params
+    }
+
     /// Every non-trainable buffer (BatchNorm running statistics) with its dotted path.
     fn named_buffers(&self) -> Vec<(String, candle_core::Var)> {
         let mut out = Vec::new();
@@ -94,13 +105,15 @@ pub trait AmpModuleExt: AmpModule {
     /// The trainable variables (half working copies under O2). `backward` produces gradients for them,
     /// except for products on amp's CPU GEMM under `GradientRoute::Master`, whose weight gradients go
     /// to the masters: read a parameter's gradient with `Param::grad`.
+    /// A shared parameter (tied weights) is listed once.
     fn trainable_vars(&self) -> Vec<candle_core::Var> {
-        self.named_params().into_iter().map(|(_, p)| p.trainable().clone()).collect()
+        self.unique_params().into_iter().map(|(_, p)| p.trainable().clone()).collect()
     }
 
-    /// The fp32 source-of-truth variables (the masters under O2).
+    /// The fp32 source-of-truth variables (the masters under O2), a shared parameter once: what a
+    /// candle optimizer steps.
     fn master_vars(&self) -> Vec<candle_core::Var> {
-        self.named_params().into_iter().map(|(_, p)| p.master().clone()).collect()
+        self.unique_params().into_iter().map(|(_, p)| p.master().clone()).collect()
     }
 }
 

@@ -85,12 +85,18 @@ pub struct ParamGroups {
 }
 
 impl ParamGroups {
-    /// Every parameter of an amp model, with its master and working copy.
+    /// Every parameter of an amp model, with its master and working copy. A parameter that several
+    /// layers share (tied weights) is one parameter, at the first path it is found at
+    /// ([`AmpModuleExt::unique_params`](crate::AmpModuleExt::unique_params)): updated once a step.
     pub fn from_model<M: AmpModule + ?Sized>(model: &M) -> Result<Self> {
         let mut params = Vec::new();
         let mut first_error = None;
+        let mut seen = std::collections::HashSet::new();
         model.visit(&mut crate::Cursor::new(), &mut |site: LayerSite<'_>, layer: &dyn Layer| {
             for (name, param) in layer.params() {
+                if !seen.insert(param.master().as_tensor().id()) {
+                    continue;
+                }
                 let path = site.param_path(name);
                 if let ParamStorage::Half(p) = param.storage() {
                     first_error.get_or_insert(Error::NoFp32Master { path: path.clone(), precision: p });
@@ -125,9 +131,12 @@ impl ParamGroups {
         Self::from_named_vars(named)
     }
 
+    /// A variable given twice is one parameter, at its first name.
     fn from_named_vars(named: impl IntoIterator<Item = (String, Var)>) -> Result<Self> {
+        let mut seen = std::collections::HashSet::new();
         let params = named
             .into_iter()
+            .filter(|(_, var)| seen.insert(var.as_tensor().id()))
             .map(|(path, var)| {
                 if var.dtype() != DType::F32 {
                     let precision = crate::Precision::from_dtype(var.dtype())?;

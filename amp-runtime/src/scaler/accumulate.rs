@@ -296,7 +296,7 @@ impl GradScaler {
         apply: impl FnOnce(&mut GradStore) -> Result<()>,
     ) -> Result<crate::scaler::StepReport> {
         self.reclaim()?;
-        let params = model.named_params();
+        let params = model.unique_params();
         let updated = params.iter().map(|(path, p)| (path.as_str(), p.master().as_tensor()));
         let Window { mut grads, loss_finite } = accumulator.take(self.window_mark(), updated)?;
         if !loss_finite {

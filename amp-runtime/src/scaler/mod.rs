@@ -206,7 +206,7 @@ impl GradScaler {
     pub fn unscale<M: AmpModule + ?Sized>(&self, model: &M, grads: &mut GradStore) -> Result<Unscaled> {
         self.expect_settled("unscale")?;
         crate::grads_to_masters(model, grads)?;
-        let params = model.named_params();
+        let params = model.unique_params();
         let present: Vec<(&str, &Tensor)> = params
             .iter()
             .filter_map(|(path, p)| grads.get(p.master().as_tensor()).map(|g| (path.as_str(), g)))
