@@ -208,3 +208,27 @@ fn a_fused_step_adds_the_two_gradients_itself() -> amp::Result<()> {
     }
     Ok(())
 }
+
+/// A step refused for a split gradient in its second group changes nothing: the first group's masters,
+/// working copies and moments are as they were, and the step is not counted (the optimizer checks
+/// every group before it updates any).
+#[test]
+fn an_optimizer_refuses_a_split_gradient_before_updating_any_group() -> amp::Result<()> {
+    use amp::optim::{GroupOptions, OptimParam};
+    let net = mlp(Precision::Bf16, GradientRoute::Master)?;
+    let groups = ParamGroups::from_model(&net)?
+        .with_group(OptimParam::is_bias_or_norm, GroupOptions { weight_decay: Some(0.0), lr: None });
+    let mut adam = FusedAdamW::new(groups, AdamConfig::default())?;
+    // `down.bias` read by its Linear (through the master) and by a penalty on its working copy.
+    let working = net.down.bias().expect("a bias").trainable().as_tensor().clone();
+    let grads = (loss(&net, 5)? + working.to_dtype(DType::F32)?.sqr()?.sum_all()?)?.backward()?;
+    let before: Vec<Vec<u32>> =
+        net.named_params().iter().map(|(_, p)| bits(p.master().as_tensor())).collect::<Result<_, _>>()?;
+    let refused = adam.step(&grads);
+    assert!(matches!(refused, Err(Error::SplitGradient { ref path }) if path == "down.bias"), "{refused:?}");
+    let after: Vec<Vec<u32>> =
+        net.named_params().iter().map(|(_, p)| bits(p.master().as_tensor())).collect::<Result<_, _>>()?;
+    assert_eq!(after, before, "no group was updated");
+    assert_eq!(adam.steps()?, 0, "nor the step counted");
+    Ok(())
+}

@@ -597,3 +597,33 @@ fn step_unscaled_refuses_a_model_the_opt_level_puts_in_fp16() -> amp::Result<()>
     }
     Ok(())
 }
+
+/// A clipping threshold that is not a positive finite number (NaN would make every update NaN, a
+/// negative one would reverse it) is refused before backward runs: weights, optimizer and scaler as
+/// they were.
+#[test]
+fn a_bad_clipping_threshold_is_refused_and_changes_nothing() -> amp::Result<()> {
+    use amp::optim::{AdamConfig, FusedAdam, ParamGroups};
+    let net = fp16_net()?;
+    let mut adam = FusedAdam::new(ParamGroups::from_model(&net)?, AdamConfig::default())?;
+    let mut scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
+    let sgd = Sgd::new(&net)?;
+    let (x, y) = batch(0)?;
+    let (before, state) = (snapshot(&net, &sgd), scaler.state().clone());
+    for bad in [f32::NAN, f32::INFINITY, -1.0, 0.0] {
+        let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+        let refused = scaler.step_fused(&loss, &mut adam, Some(bad));
+        match &refused {
+            Err(amp::Error::InvalidOptimizerConfig { reason }) => {
+                assert!(reason.contains("max_grad_norm") && reason.contains("positive"), "{reason}")
+            }
+            other => panic!("max_grad_norm {bad}: expected a refusal, got {other:?}"),
+        }
+        assert_eq!(snapshot(&net, &sgd), before, "max_grad_norm {bad}");
+        assert_eq!((scaler.state(), adam.steps()?), (&state, 0), "max_grad_norm {bad}");
+    }
+    let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+    scaler.step_fused(&loss, &mut adam, Some(1.0))?;
+    assert_eq!(scaler.state().steps, 1, "a valid threshold steps");
+    Ok(())
+}

@@ -1,7 +1,6 @@
 //! What every fused optimizer holds and does the same way: its parameters, settings, applied-step count
 //! and fp32 state buffers, and the move of that state to a CUDA device on the first step there.
 
-#[cfg(feature = "cuda")]
 use candle_core::backprop::GradStore;
 
 use super::params::ParamGroups;
@@ -45,6 +44,23 @@ impl<C, S: AsRef<[Buffers]>> Core<C, S> {
             return on_device.applied_steps();
         }
         Ok(self.step)
+    }
+
+    /// Counts a step on the CPU, after checking what could make it fail part-way: every group's
+    /// gradients found (none split between a working copy and its master) and no two tensors of the
+    /// step sharing memory. A refused step changes nothing, its count included; an accepted one then
+    /// updates every group.
+    pub fn begin_cpu_step(&mut self, grads: &GradStore) -> Result<()> {
+        let params = &self.groups.params;
+        let present = super::driver::with_grads(params, None, grads)?;
+        let mut all: Vec<&candle_core::Tensor> = present.iter().map(|(_, g)| *g).collect();
+        for (i, _) in &present {
+            all.push(params[*i].master.as_tensor());
+            all.extend(params[*i].working.as_ref().map(|w| w.as_tensor()));
+        }
+        crate::storage::check_distinct(&all)?;
+        self.step += 1;
+        Ok(())
     }
 
     /// Bytes of fp32 state.

@@ -147,7 +147,7 @@ impl FusedOptimizer for FusedLamb {
         if self.core.on_cuda(grads) {
             return self.device_step(grads, crate::cuda::Gate::Host(inv_grad_scale));
         }
-        self.core.step += 1;
+        self.core.begin_cpu_step(grads)?;
         for group in 0..self.core.groups.groups.len() {
             let params = self.kernel_params(group);
             let core = &mut self.core;

@@ -145,6 +145,7 @@ impl GradScaler {
         max_grad_norm: Option<f32>,
         stages: &mut dyn StepStages,
     ) -> Result<StepReport> {
+        check_max_grad_norm(max_grad_norm)?;
         self.reclaim()?;
         let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
         let loss_finite = value.is_finite();
@@ -184,6 +185,7 @@ impl GradScaler {
         max_grad_norm: Option<f32>,
         stages: &mut dyn StepStages,
     ) -> Result<StepReport> {
+        check_max_grad_norm(max_grad_norm)?;
         self.reclaim()?;
         let params = optimizer.param_groups().params();
         let updated = params.iter().map(|p| (p.path.as_str(), p.master.as_tensor()));
@@ -249,5 +251,19 @@ impl GradScaler {
         optimizer.step_scaled(&grads, factor)?;
         stages.after_step()?;
         self.update(None)
+    }
+}
+
+/// Refuses a clipping threshold that is not a positive finite number, before anything runs: NaN would
+/// make every update NaN, and a negative threshold would reverse the step.
+pub(crate) fn check_max_grad_norm(max_grad_norm: Option<f32>) -> Result<()> {
+    match max_grad_norm {
+        Some(max) if !(max.is_finite() && max > 0.0) => Err(crate::Error::InvalidOptimizerConfig {
+            reason: format!(
+                "max_grad_norm {max}: the gradient-clipping threshold must be a positive finite number \
+                 (1.0 is usual), or None for no clipping"
+            ),
+        }),
+        _ => Ok(()),
     }
 }

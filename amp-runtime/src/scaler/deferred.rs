@@ -128,6 +128,7 @@ impl GradScaler {
         optimizer: &mut dyn crate::optim::FusedOptimizer,
         max_grad_norm: Option<f32>,
     ) -> Result<()> {
+        crate::optim::check_max_grad_norm(max_grad_norm)?;
         if !loss.device().is_cuda() {
             let report = self.step_fused(loss, optimizer, max_grad_norm)?;
             self.window.add_report(&report);

@@ -312,9 +312,15 @@ impl GradScaler {
 /// A layer without an attribute computes in its opt level's half type, known only at run time: when
 /// that is fp16, the step is refused.
 ///
+/// It keeps no state between calls, so the check that every trainable parameter received a gradient
+/// (a scaler's first-step check, [`MissingGradients::Error`](crate::scaler::MissingGradients)) runs
+/// on every call. For a model with parameters frozen on purpose, or that some batches leave without
+/// a gradient, keep a scaler instead, whose `step` is this one with that check made once:
+/// `GradScaler::disabled().with_finite_guard(true).on_missing_gradients(MissingGradients::Warn)`.
+///
 /// # Errors
 /// [`Error::NeedsLossScaler`] when a layer computes in fp16 (nothing is changed); those of
-/// [`GradScaler::step`].
+/// [`GradScaler::step`], [`Error::NoGradient`] on any call.
 pub fn step_unscaled<M>(
     model: &M,
     loss: &Tensor,
