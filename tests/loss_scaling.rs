@@ -609,7 +609,7 @@ fn a_bad_clipping_threshold_is_refused_and_changes_nothing() -> amp::Result<()> 
     let mut scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
     let sgd = Sgd::new(&net)?;
     let (x, y) = batch(0)?;
-    let (before, state) = (snapshot(&net, &sgd), scaler.state().clone());
+    let (before, state) = (snapshot(&net, &sgd), *scaler.state());
     for bad in [f32::NAN, f32::INFINITY, -1.0, 0.0] {
         let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
         let refused = scaler.step_fused(&loss, &mut adam, Some(bad));
