@@ -213,3 +213,34 @@ fn two_states_under_one_key_are_refused_on_save_and_load() -> amp::Result<()> {
     std::fs::remove_file(&path).ok();
     Ok(())
 }
+
+/// An O3 fp16 model keeps no fp32 copy: a checkpoint whose masters hold values beyond fp16's range
+/// (65504) is refused, naming the parameter and the count, and the model keeps its values; within the
+/// range, each value is rounded once into the fp16 storage.
+#[test]
+fn an_o3_fp16_model_refuses_values_its_storage_cannot_hold() -> amp::Result<()> {
+    let cpu = Device::Cpu;
+    let fp16 = AmpConfig::new(OptLevel::O3, &cpu).with_half(amp::Precision::Fp16);
+    let source = net(&VarMap::new())?;
+    let saved = tmp("o3-overflow");
+    amp::checkpoint::save(&source, &saved)?;
+    let mut o3 = net(&VarMap::new())?;
+    amp::initialize(&mut o3, fp16)?;
+    amp::checkpoint::load(&mut o3, &saved)?;
+    let weight = |m: &Net| m.hidden.weight().master().as_tensor().clone();
+    let want = source.hidden.weight().master().as_tensor().to_dtype(DType::F16)?;
+    let same = weight(&o3).to_dtype(DType::F32)?.eq(&want.to_dtype(DType::F32)?)?;
+    assert_eq!(same.min_all()?.to_scalar::<u8>()?, 1, "each value rounded once to fp16");
+
+    let big = (source.hidden.weight().master().as_tensor().ones_like()? * 1e5)?;
+    source.hidden.weight().master().set(&big)?;
+    amp::checkpoint::save(&source, &saved)?;
+    let before = weight(&o3).to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let refused = amp::checkpoint::load(&mut o3, &saved).expect_err("values beyond fp16 are refused");
+    let message = refused.to_string();
+    assert!(message.contains("`hidden.weight` holds 72 value(s) beyond the range of F16"), "{message}");
+    assert!(message.contains("O2"), "says what to do: {message}");
+    assert_eq!(weight(&o3).to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, before, "unchanged");
+    std::fs::remove_file(saved).ok();
+    Ok(())
+}

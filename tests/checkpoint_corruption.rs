@@ -174,7 +174,41 @@ fn state_cases(real: &[u8]) -> Outcome<Vec<Case>> {
     };
     let scaler_key = "amp_state/scaler";
     let opt_key = "amp_state/optimizer";
+    let first_param =
+        optimizer["group_of"].as_object().and_then(|m| m.keys().next().cloned()).ok_or("group_of")?;
+    // A moment of a matrix that is not square, its shape read the other way round (the same bytes).
+    let matrix_moment = header
+        .as_object()
+        .ok_or("header is an object")?
+        .iter()
+        .find(|(k, v)| {
+            k.ends_with("/exp_avg") && v["shape"].as_array().is_some_and(|s| s.len() == 2 && s[0] != s[1])
+        })
+        .map(|(k, v)| (k.clone(), v["shape"].clone()))
+        .ok_or("a matrix's moment")?;
     Ok(vec![
+        case(
+            "optimizer_param_in_another_group",
+            with(opt_key, &optimizer, &|s| s["group_of"][&first_param] = json!(1))?,
+            "was in parameter group 1 when saved and is in group 0 now",
+        ),
+        case(
+            "optimizer_param_unknown",
+            with(opt_key, &optimizer, &|s| {
+                let map = s["group_of"].as_object_mut().expect("group_of is an object");
+                let group = map.remove(&first_param).expect("the first parameter");
+                map.insert("renamed.weight".into(), group);
+            })?,
+            "was not one of its parameters when saved",
+        ),
+        case(
+            "optimizer_moment_transposed",
+            edited(real, |h| {
+                let (name, shape) = &matrix_moment;
+                h[name]["shape"] = json!([shape[1], shape[0]]);
+            })?,
+            "saved state is matched to parameters by name",
+        ),
         case(
             "scaler_tracker_max",
             with(scaler_key, &scaler, &|s| s["state"]["growth_tracker"] = json!(u32::MAX))?,

@@ -45,10 +45,14 @@ fn gather(comm: &Mpi, value: usize) -> amp::Result<Vec<usize>> {
 }
 
 /// A saved state with its tensors sorted by name, as bits, for comparisons.
-fn state_bits(state: amp::checkpoint::SavedState) -> (String, Vec<(String, Vec<u32>)>) {
+/// A saved state's settings (as JSON values: the gathered state's fields may come in another order)
+/// and its tensors' bits, by name.
+fn state_bits(state: amp::checkpoint::SavedState) -> (serde_json::Value, Vec<(String, Vec<u32>)>) {
     let mut tensors: Vec<_> = state.tensors.iter().map(|(n, t)| (n.clone(), reliability::bits(t))).collect();
     tensors.sort();
-    (state.json, tensors)
+    let json = serde_json::from_str(&state.json)
+        .unwrap_or_else(|e| serde_json::Value::String(format!("unreadable ({e}): {}", state.json)));
+    (json, tensors)
 }
 
 /// ZeRO-1 and plain data parallelism compute the same averaged gradient (two ranks: one addition of the

@@ -57,6 +57,16 @@ pub enum CheckpointProblem {
         /// How many values it has.
         of: usize,
     },
+    /// Finite values that the model's storage for the parameter cannot hold (an O3 model's half
+    /// parameters keep no fp32 copy): converted, they would become inf.
+    Overflow {
+        /// Parameter path.
+        name: String,
+        /// How many values overflow.
+        count: usize,
+        /// The parameter's storage dtype.
+        dtype: DType,
+    },
 }
 
 impl fmt::Display for CheckpointProblem {
@@ -79,6 +89,12 @@ impl fmt::Display for CheckpointProblem {
                 "`{name}` holds {count} non-finite value(s) (inf/NaN) of {of}: the run had diverged when it \
                  was saved; resume from an earlier checkpoint, or load it with \
                  `LoadOptions {{ allow_non_finite: true }}` to inspect it"
+            ),
+            CheckpointProblem::Overflow { name, count, dtype } => write!(
+                f,
+                "`{name}` holds {count} value(s) beyond the range of {dtype:?}, the model's storage for it \
+                 (no fp32 master): they would become inf; load it into a model with fp32 masters (O2) or \
+                 fp32 parameters instead"
             ),
         }
     }
@@ -263,6 +279,7 @@ pub(crate) fn stage<M: AmpModule + ?Sized>(
     let saved = take_states(states, &metadata, &mut tensors, path)?;
 
     let mut problems = check(&model.named_params(), &model.named_buffers(), &tensors);
+    problems.extend(convert_to_storage(&model.named_params(), &mut tensors)?);
     if !options.allow_non_finite {
         let state_tensors = states.iter().zip(&saved).flat_map(|(state, one)| {
             let key = state.state_key();
@@ -287,8 +304,9 @@ pub(crate) fn apply<M: AmpModule + ?Sized>(
     Staged { tensors, saved }: Staged,
 ) -> Result<()> {
     for (name, param) in &model.named_params() {
-        // Exact for fp32 masters; O3 models, which keep no fp32 copy, round into their half storage.
-        param.master().set(&tensors[name].to_dtype(param.master().dtype())?)?;
+        // Exact for fp32 masters; for O3 models, which keep no fp32 copy, `stage` rounded the values
+        // into their half storage dtype, refusing any that overflow it.
+        param.master().set(&tensors[name])?;
         param.refresh_working()?;
     }
     for (name, buffer) in &model.named_buffers() {
@@ -363,6 +381,37 @@ fn non_finite<'t>(tensors: impl Iterator<Item = (String, &'t Tensor)>) -> Result
     }
     problems.sort_by_key(ToString::to_string);
     Ok(problems)
+}
+
+/// Converts each parameter's f32 tensor to the dtype the model stores it in (O3: half, no fp32
+/// master), so that applying only copies; the values that a conversion turns from finite into inf are
+/// problems.
+fn convert_to_storage(
+    params: &[(String, crate::Param)],
+    tensors: &mut HashMap<String, Tensor>,
+) -> Result<Vec<CheckpointProblem>> {
+    let mut problems = Vec::new();
+    for (name, param) in params {
+        let dtype = param.master().dtype();
+        let Some(tensor) = tensors.get(name) else { continue };
+        if tensor.dtype() == dtype || tensor.dims() != param.master().dims() {
+            continue;
+        }
+        let converted = tensor.to_dtype(dtype)?;
+        let (before, after) = (finite_flags(tensor)?, finite_flags(&converted)?);
+        let count = before.iter().zip(&after).filter(|(was, is)| **was && !**is).count();
+        if count > 0 {
+            problems.push(CheckpointProblem::Overflow { name: name.clone(), count, dtype });
+        }
+        tensors.insert(name.clone(), converted);
+    }
+    Ok(problems)
+}
+
+/// Whether each value of a float tensor is finite.
+fn finite_flags(tensor: &Tensor) -> Result<Vec<bool>> {
+    let values = tensor.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    Ok(values.iter().map(|v| v.is_finite()).collect())
 }
 
 fn check(

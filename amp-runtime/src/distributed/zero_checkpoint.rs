@@ -20,6 +20,18 @@ use crate::checkpoint::{SavedState, TrainingState};
 use crate::error::{Error, Result};
 use crate::AmpModule;
 
+/// A saved optimizer state's JSON as its settings (every rank's alike) and its `group_of` map (each
+/// parameter's group: a rank's own parameters only).
+fn split_group_of(json: &str) -> Result<(serde_json::Value, serde_json::Map<String, serde_json::Value>)> {
+    let mut settings: serde_json::Value = serde_json::from_str(json)
+        .map_err(|e| Error::Internal { what: format!("an optimizer's saved settings: {e}") })?;
+    let group_of = match settings.as_object_mut().and_then(|fields| fields.remove("group_of")) {
+        Some(serde_json::Value::Object(map)) => map,
+        _ => serde_json::Map::new(),
+    };
+    Ok((settings, group_of))
+}
+
 impl Zero1<'_> {
     /// The whole optimizer state, as an unsharded optimizer over every parameter would save it, on every
     /// rank: each rank's `optimizer` (its shard) saved and broadcast in turn, tensors sorted by name. A
@@ -31,7 +43,7 @@ impl Zero1<'_> {
     pub fn gather_state(&self, optimizer: &dyn TrainingState) -> Result<SavedState> {
         let comm = self.communicator();
         let mine = optimizer.save_state()?;
-        let mut whole = SavedState::default();
+        let (mut whole, mut settings, mut group_of) = (SavedState::default(), None, serde_json::Map::new());
         for root in 0..comm.world_size() {
             let state = if root == comm.rank() {
                 broadcast_vec(comm, encode(&mine)?, root)?;
@@ -39,19 +51,29 @@ impl Zero1<'_> {
             } else {
                 decode(&broadcast_vec(comm, Vec::new(), root)?)?
             };
-            if root == 0 {
-                whole.json = state.json;
-            } else if state.json != whole.json {
-                return Err(Error::ZeroShard {
-                    reason: format!(
-                        "rank {root}'s optimizer settings or step count differ from rank 0's ({} vs {}): every \
-                         rank must build the same optimizer and step it with `Zero1::step_fused`",
-                        state.json, whole.json
-                    ),
-                });
+            // Every rank's settings alike; each rank's parameters' groups, merged.
+            let (rank_settings, rank_groups) = split_group_of(&state.json)?;
+            match &settings {
+                None => settings = Some(rank_settings),
+                Some(first) if *first != rank_settings => {
+                    return Err(Error::ZeroShard {
+                        reason: format!(
+                            "rank {root}'s optimizer settings or step count differ from rank 0's ({rank_settings} vs \
+                             {first}): every rank must build the same optimizer and step it with \
+                             `Zero1::step_fused`"
+                        ),
+                    });
+                }
+                Some(_) => {}
             }
+            group_of.extend(rank_groups);
             whole.tensors.extend(state.tensors);
         }
+        let mut settings = settings.unwrap_or_default();
+        if let serde_json::Value::Object(fields) = &mut settings {
+            fields.insert("group_of".into(), serde_json::Value::Object(group_of));
+        }
+        whole.json = settings.to_string();
         whole.tensors.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(whole)
     }

@@ -1,6 +1,6 @@
 //! Optimizer state (fp32 vectors per parameter) in checkpoints.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{Device, Tensor};
 
@@ -48,7 +48,8 @@ pub(crate) fn save<S: serde::Serialize>(
     for buffer in buffers.iter().filter(|b| b.used) {
         for (param, values) in params.iter().zip(&buffer.values) {
             if !values.is_empty() {
-                let tensor = Tensor::from_slice(values, values.len(), &Device::Cpu)?;
+                // In the parameter's shape, so that a load can tell parameters of one size apart.
+                let tensor = Tensor::from_slice(values, param.master.dims(), &Device::Cpu)?;
                 tensors.push((format!("{}/{}", param.path, buffer.name), tensor));
             }
         }
@@ -77,9 +78,17 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
                 None => return Err(bad(format!("`{name}` is missing"))),
                 Some(t) if t.elem_count() != values.len() => {
                     return Err(bad(format!(
-                        "`{name}` has {} values, the parameter {}",
+                        "`{name}` has {} values, the parameter {}: {MATCHED_BY_NAME}",
                         t.elem_count(),
                         values.len()
+                    )))
+                }
+                // Flat: saved before states kept their parameter's shape.
+                Some(t) if t.rank() > 1 && t.dims() != param.master.dims() => {
+                    return Err(bad(format!(
+                        "`{name}` has shape {:?}, the parameter {:?}: {MATCHED_BY_NAME}",
+                        t.dims(),
+                        param.master.dims()
                     )))
                 }
                 Some(t) if t.dtype() != candle_core::DType::F32 => {
@@ -91,6 +100,11 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
     }
     Ok(settings)
 }
+
+/// What a state that does not fit its parameter most likely means, and what to do.
+const MATCHED_BY_NAME: &str = "saved state is matched to parameters by name, and these are not the \
+     parameters it was saved with; build the optimizer's groups as when saving (`ParamGroups::from_model` \
+     or `from_varmap` name parameters by path; `from_vars` names them by position)";
 
 /// Copies the saved buffers in (after [`check`] passed).
 pub(crate) fn restore(state: &SavedState, params: &[OptimParam], buffers: &mut [Buffers]) -> Result<()> {
@@ -125,6 +139,38 @@ struct Settings<C> {
     config: C,
     step: u64,
     groups: Vec<GroupOptions>,
+    /// Each parameter's group, by path (absent in checkpoints written before it was saved).
+    #[serde(default)]
+    group_of: Option<BTreeMap<String, usize>>,
+}
+
+/// Each parameter's group, by path.
+fn group_of(params: &[OptimParam]) -> BTreeMap<String, usize> {
+    params.iter().map(|p| (p.path.clone(), p.group)).collect()
+}
+
+/// Refuses saved settings that put one of this optimizer's parameters in another group, or that did
+/// not have it: the groups' options (learning rate, weight decay) would land on the wrong parameters.
+/// Saved parameters this optimizer lacks are not refused: a ZeRO-1 rank's optimizer holds its shard
+/// of a whole run's state.
+fn check_membership(saved: &BTreeMap<String, usize>, params: &[OptimParam]) -> Result<()> {
+    let bad = |reason: String| Error::OptimizerState { reason };
+    let advice = "build the groups (`with_group`) as when saving";
+    for p in params {
+        match saved.get(&p.path) {
+            None => {
+                return Err(bad(format!("`{}` was not one of its parameters when saved: {advice}", p.path)))
+            }
+            Some(&g) if g != p.group => {
+                return Err(bad(format!(
+                    "`{}` was in parameter group {g} when saved and is in group {} now: {advice}",
+                    p.path, p.group
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// The saved settings and the state buffers they use (zeroed), after checks that the settings are in
@@ -148,6 +194,9 @@ fn checked_settings<T: Checkpointed>(
             core.groups.groups.len()
         )));
     }
+    if let Some(saved_groups) = &settings.group_of {
+        check_membership(saved_groups, &core.groups.params)?;
+    }
     let state = T::fresh_state(&settings.config, &core.groups.params);
     check::<Settings<T::Config>>(&core.key, saved, &core.groups.params, state.as_ref())?;
     Ok((settings, state))
@@ -160,7 +209,12 @@ impl<T: Checkpointed> TrainingState for T {
 
     fn save_state(&self) -> Result<SavedState> {
         let core = self.core();
-        let settings = Settings { config: core.config, step: core.step, groups: core.groups.groups.clone() };
+        let settings = Settings {
+            config: core.config,
+            step: core.step,
+            groups: core.groups.groups.clone(),
+            group_of: Some(group_of(&core.groups.params)),
+        };
         #[cfg(feature = "cuda")]
         if let Some(on_device) = &core.on_device {
             let (buffers, step) = super::device::downloaded(on_device, core.state.as_ref())?;
