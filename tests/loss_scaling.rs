@@ -231,6 +231,32 @@ fn bf16_models_get_a_disabled_scaler_that_multiplies_nothing() -> amp::Result<()
     Ok(())
 }
 
+/// A bf16 model's scaler multiplies nothing but still guards `step` (a user's optimizer): an inf
+/// gradient under a finite loss skips the step, naming the parameter, and every weight and the
+/// optimizer's state stay as they were.
+#[test]
+fn a_bf16_models_scaler_skips_an_inf_gradient_in_step() -> amp::Result<()> {
+    let net = net_with(AmpConfig::new(OptLevel::O2, &Device::Cpu))?;
+    let mut scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
+    let sgd = Sgd::new(&net)?;
+    let (x, y) = batch(0)?;
+    let before = snapshot(&net, &sgd);
+    // sqrt(w - w) is 0, a finite loss; its gradient is inf.
+    let w = net.hidden.weight().trainable().as_tensor().to_dtype(DType::F32)?;
+    let penalty = (&w - w.detach())?.sqrt()?.sum_all()?;
+    let loss = ((net.forward(&x)? - &y)?.sqr()?.mean_all()? + penalty)?;
+    let report = scaler.step(&net, &loss, |grads| sgd.step(&net, grads))?;
+    assert!(
+        matches!(&report.skipped, Some(SkipReason::GradientOverflow { param }) if param == "hidden.weight"),
+        "{report}"
+    );
+    assert_eq!(snapshot(&net, &sgd), before, "nothing changed");
+    let mut opted_out = GradScaler::for_model(&net, ScalerConfig::default())?.with_finite_guard(false);
+    let loss = ((net.forward(&x)? - &y)?.sqr()?.mean_all()? + (&w - w.detach())?.sqrt()?.sum_all()?)?;
+    assert!(opted_out.step(&net, &loss, |_| Ok(()))?.applied(), "the guard can be turned off");
+    Ok(())
+}
+
 #[test]
 fn a_resumed_run_continues_exactly_like_an_uninterrupted_one() -> amp::Result<()> {
     let pattern = |step: u64| step % 7 == 3 || step.is_multiple_of(11);

@@ -272,9 +272,10 @@ pub(crate) fn stage<M: AmpModule + ?Sized>(
         safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| unreadable(Box::new(e)))?;
     let metadata = header.metadata().clone().unwrap_or_default();
     checksum::verify(&bytes[8 + header_len..], &metadata, path)?;
-    let device = model.named_params().first().map_or(Device::Cpu, |(_, p)| p.master().device().clone());
+    // Read and checked in host memory: on a GPU the model and its optimizer state already fill the
+    // device, and the checks read every value on the host anyway. Applying copies each tensor over.
     let mut tensors =
-        candle_core::safetensors::load_buffer(&bytes, &device).map_err(|e| unreadable(Box::new(e)))?;
+        candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| unreadable(Box::new(e)))?;
     drop(bytes);
     let saved = take_states(states, &metadata, &mut tensors, path)?;
 
@@ -306,11 +307,11 @@ pub(crate) fn apply<M: AmpModule + ?Sized>(
     for (name, param) in &model.named_params() {
         // Exact for fp32 masters; for O3 models, which keep no fp32 copy, `stage` rounded the values
         // into their half storage dtype, refusing any that overflow it.
-        param.master().set(&tensors[name])?;
+        param.master().set(&tensors[name].to_device(param.master().device())?)?;
         param.refresh_working()?;
     }
     for (name, buffer) in &model.named_buffers() {
-        buffer.set(&tensors[name].to_dtype(buffer.dtype())?)?;
+        buffer.set(&tensors[name].to_dtype(buffer.dtype())?.to_device(buffer.device())?)?;
     }
     for (state, one) in states.iter_mut().zip(saved) {
         state.restore_state(one)?;

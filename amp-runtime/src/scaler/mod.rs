@@ -9,8 +9,8 @@
 //! 5. update the scale (back off on overflow, grow after `growth_interval` clean steps).
 //!
 //! Models without fp16 (bf16 or fp32 only) need none of this: [`GradScaler::for_model`] then makes a
-//! disabled scaler whose scale is 1 and which multiplies nothing; it can still guard against non-finite
-//! gradients with one read-only pass ([`GradScaler::with_finite_guard`]).
+//! disabled scaler whose scale is 1 and which multiplies nothing; it still guards against non-finite
+//! gradients with one read-only pass ([`GradScaler::with_finite_guard`]), as the fused steps do.
 //!
 //! On a CUDA device, [`GradScaler::step_fused_deferred`] runs the whole protocol there without the host
 //! waiting for anything (the loss check and the skip decision included); [`GradScaler::settle`] reads
@@ -107,14 +107,17 @@ impl GradScaler {
     }
 
     /// Enabled when some layer of `model` computes in fp16 now (after `amp::initialize`), disabled
-    /// otherwise (bf16 and fp32 have fp32's range). An O3 fp16 model, which has no fp32 masters to
+    /// otherwise (bf16 and fp32 have fp32's range) but guarded: its [`step`](Self::step) still skips a
+    /// step with an inf or NaN gradient, leaving the weights as they were, as every `step_fused` does
+    /// (one read-only pass over the gradients; `.with_finite_guard(false)` drops it). An O3 fp16 model,
+    /// which has no fp32 masters to
     /// unscale its gradients into, trains with `GradScaler::new(ScalerConfig::fixed(1.0))` (Apex O3's
     /// scale): at another scale [`unscale`](Self::unscale) refuses its gradients.
     pub fn for_model<M: AmpModule + ?Sized>(model: &M, config: ScalerConfig) -> Result<Self> {
         if model.precision_plan().computes_in_fp16() {
             GradScaler::new(config)
         } else {
-            Ok(GradScaler::disabled())
+            Ok(GradScaler::disabled().with_finite_guard(true))
         }
     }
 
