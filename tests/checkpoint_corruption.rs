@@ -64,6 +64,7 @@ fn edited(real: &[u8], edit: impl FnOnce(&mut Value)) -> Outcome<Vec<u8>> {
     let (mut header, data) = split(real)?;
     if let Some(metadata) = header.get_mut("__metadata__").and_then(Value::as_object_mut) {
         metadata.remove("amp_data_crc32");
+        metadata.remove("amp_table_crc32");
     }
     edit(&mut header);
     Ok(assemble(&header, &data))
@@ -373,6 +374,33 @@ fn damaged_checkpoints_are_refused_with_the_file_and_the_problem_named() -> Outc
     if std::env::var_os("AMP_WRITE_CORPUS").is_some() {
         write_corpus(&cases, &real)?;
     }
+    Ok(())
+}
+
+/// Two same-shaped tensors (a parameter's two Adam moments) read from each other's bytes: every name,
+/// shape and value is plausible, and the data's checksum still matches; the table's checksum refuses it.
+/// Without it (a file from before it was saved) the swap would load.
+#[test]
+fn a_tensor_table_edited_under_the_checksum_is_refused() -> Outcome {
+    let real = real_checkpoint(|_| Ok(()))?;
+    let (mut header, data) = split(&real)?;
+    let first = header
+        .as_object()
+        .ok_or("header is an object")?
+        .keys()
+        .find(|k| k.ends_with("/exp_avg"))
+        .ok_or("a moment")?
+        .clone();
+    let second = format!("{first}_sq");
+    let (a, b) = (header[&first]["data_offsets"].clone(), header[&second]["data_offsets"].clone());
+    header[&first]["data_offsets"] = b;
+    header[&second]["data_offsets"] = a;
+    let swapped = assemble(&header, &data);
+    let message = refusal("table_swapped", &swapped).ok_or("loaded")?;
+    assert!(message.contains("amp_table_crc32") && message.contains("tensor table"), "{message}");
+    let metadata = header["__metadata__"].as_object_mut().ok_or("metadata")?;
+    assert!(metadata.remove("amp_table_crc32").is_some(), "amp writes the table's checksum");
+    assert_eq!(refusal("table_swapped_unchecked", &assemble(&header, &data)), None, "what it catches");
     Ok(())
 }
 

@@ -271,7 +271,7 @@ pub(crate) fn stage<M: AmpModule + ?Sized>(
     let (header_len, header) =
         safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| unreadable(Box::new(e)))?;
     let metadata = header.metadata().clone().unwrap_or_default();
-    checksum::verify(&bytes[8 + header_len..], &metadata, path)?;
+    checksum::verify(&bytes[8 + header_len..], &header, path)?;
     // Read and checked in host memory: on a GPU the model and its optimizer state already fill the
     // device, and the checks read every value on the host anyway. Applying copies each tensor over.
     let mut tensors =

@@ -73,12 +73,12 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
-    /// A checkpoint's tensor data or training states do not match the checksum amp saved with them;
-    /// nothing was loaded.
+    /// A checkpoint's tensor table, tensor data or training states do not match the checksums amp saved
+    /// with them; nothing was loaded.
     #[error(
-        "checkpoint {} refused, the model is unchanged: its tensor data or training states do not match \
-         the checksum saved with them (crc32 {computed}, saved {saved}): the file was damaged after it \
-         was written; resume from an earlier checkpoint or a copy",
+        "checkpoint {} refused, the model is unchanged: its tensor table, tensor data or training states do \
+         not match the checksum saved with them (crc32 {computed}, saved {saved}): the file was damaged \
+         after it was written; resume from an earlier checkpoint or a copy",
         path.display()
     )]
     CheckpointDamaged {
