@@ -109,6 +109,7 @@ fn an_o2_bias_gradient_is_within_f32_bounds_of_the_f64_sum() -> amp::Result<()> 
         assert!(within <= 1.0, "{half:?}: {within:.3} of the f32 bound");
     }
     let rounded = error(Precision::Bf16, GradientRoute::Working)?;
+    println!("O2 bias gradient, 4096 rows: the bf16 working copy's misses f32's bound by {rounded:.1}x");
     assert!(rounded > 1.0, "the bf16 working copy's gradient: {rounded:.3} of the f32 bound");
     Ok(())
 }

@@ -229,5 +229,6 @@ fn tied_layers_of_different_precisions_are_refused() -> amp::Result<()> {
     }
     let message = refused.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(message.contains("same precision") && message.contains("`first.weight`"), "{message}");
+    assert!(!message.contains("  "), "one line of words: {message:?}");
     Ok(())
 }

@@ -164,7 +164,9 @@ pub enum Error {
     },
     /// Two layers share one parameter (tied weights) but their precisions ask for different storage.
     #[error(
-        "`{path}` is the same variable as `{tied_to}` (tied weights), but its layer asks for {storage:?}          where `{tied_to}`'s asks for {tied_storage:?}: give both layers the same precision (the same          `#[amp(...)]`), or give them variables of their own"
+        "`{path}` is the same variable as `{tied_to}` (tied weights), but its layer asks for {storage:?} \
+         where `{tied_to}`'s asks for {tied_storage:?}: give both layers the same precision (the same \
+         `#[amp(...)]`), or give them variables of their own"
     )]
     TiedStorageDiffers {
         /// The parameter met second.

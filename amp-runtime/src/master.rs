@@ -6,7 +6,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
 use crate::error::{Error, Result};
-use crate::{AmpModule, AmpModuleExt, Cursor, GradientRoute, Layer, LayerSite};
+use crate::{AmpModule, Cursor, GradientRoute, Layer, LayerSite, Param};
 
 /// Re-keys the gradients of O2 half working copies onto their fp32 masters, widened to f32, so that an
 /// optimizer stepping the masters (`model.master_vars()`) sees them. A master that already has a
@@ -16,7 +16,7 @@ use crate::{AmpModule, AmpModuleExt, Cursor, GradientRoute, Layer, LayerSite};
 /// This widening pass is what the fused optimizers of `amp::optim` avoid; it is here so that any candle
 /// optimizer works with O2 models.
 pub fn grads_to_masters<M: AmpModule + ?Sized>(model: &M, grads: &mut GradStore) -> Result<()> {
-    for (_, param) in model.unique_params() {
+    for param in unique(model) {
         if let Some(working) = param.working() {
             fold(grads, working, param.master())?;
         }
@@ -69,8 +69,15 @@ pub(crate) fn gradient<'g>(
 
 /// Copies every fp32 master into its half working copy, after an optimizer updated the masters.
 pub fn refresh_working_copies<M: AmpModule + ?Sized>(model: &M) -> Result<()> {
-    for (_, param) in model.unique_params() {
+    for param in unique(model) {
         param.refresh_working()?;
     }
     Ok(())
+}
+
+/// Every parameter of `model` once (tied weights once), without their paths.
+fn unique<M: AmpModule + ?Sized>(model: &M) -> Vec<Param> {
+    let mut params = Vec::new();
+    crate::module::for_each_unique_param(model, |_, _, _, param| params.push(param.clone()));
+    params
 }

@@ -59,6 +59,23 @@ fn for_each_layer<M: AmpModule + ?Sized>(module: &M, mut f: impl FnMut(LayerSite
     module.visit(&mut Cursor::new(), &mut |site: LayerSite<'_>, layer: &dyn crate::Layer| f(site, layer));
 }
 
+/// Calls `f(site, layer, name, param)` for every parameter of `module` once, where it is found first:
+/// a parameter that several layers share (tied weights, one master) is visited at its first site only.
+/// Builds no path: steps call it per parameter.
+pub(crate) fn for_each_unique_param<M: AmpModule + ?Sized>(
+    module: &M,
+    mut f: impl FnMut(LayerSite<'_>, &dyn crate::Layer, &'static str, &crate::Param),
+) {
+    let mut seen = std::collections::HashSet::new();
+    for_each_layer(module, |site, layer| {
+        for (name, param) in layer.params() {
+            if seen.insert(param.master().as_tensor().id()) {
+                f(site, layer, name, param);
+            }
+        }
+    });
+}
+
 /// Operations every [`AmpModule`] gets: its precision plan and its parameters by path.
 pub trait AmpModuleExt: AmpModule {
     /// The plan of this instance: every layer's path, type, compute precision, parameter count and
@@ -85,10 +102,9 @@ pub trait AmpModuleExt: AmpModule {
     /// path. What steps and collectives iterate over, so that a shared parameter is unscaled, reduced
     /// and updated once.
     fn unique_params(&self) -> Vec<(String, crate::Param)> {
-        let mut seen = std::collections::HashSet::new();
-        let mut params = self.named_params();
-        params.retain(|(_, p)| seen.insert(p.master().as_tensor().id()));
-        params
+        let mut out = Vec::new();
+        for_each_unique_param(self, |site, _, name, param| out.push((site.param_path(name), param.clone())));
+        out
     }
 
     /// Every non-trainable buffer (BatchNorm running statistics) with its dotted path.

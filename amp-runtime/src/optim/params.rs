@@ -5,7 +5,7 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::error::{Error, Result};
-use crate::{AmpModule, Layer, LayerSite, ParamStorage};
+use crate::{AmpModule, ParamStorage};
 
 /// One parameter as an optimizer sees it.
 #[derive(Clone, Debug)]
@@ -91,26 +91,20 @@ impl ParamGroups {
     pub fn from_model<M: AmpModule + ?Sized>(model: &M) -> Result<Self> {
         let mut params = Vec::new();
         let mut first_error = None;
-        let mut seen = std::collections::HashSet::new();
-        model.visit(&mut crate::Cursor::new(), &mut |site: LayerSite<'_>, layer: &dyn Layer| {
-            for (name, param) in layer.params() {
-                if !seen.insert(param.master().as_tensor().id()) {
-                    continue;
-                }
-                let path = site.param_path(name);
-                if let ParamStorage::Half(p) = param.storage() {
-                    first_error.get_or_insert(Error::NoFp32Master { path: path.clone(), precision: p });
-                }
-                params.push(OptimParam {
-                    path,
-                    kind: layer.kind(),
-                    master: param.master().clone(),
-                    working: param.working().cloned(),
-                    trainable: param.trainable().clone(),
-                    group: 0,
-                    no_decay: layer.no_weight_decay(name),
-                });
+        crate::module::for_each_unique_param(model, |site, layer, name, param| {
+            let path = site.param_path(name);
+            if let ParamStorage::Half(p) = param.storage() {
+                first_error.get_or_insert(Error::NoFp32Master { path: path.clone(), precision: p });
             }
+            params.push(OptimParam {
+                path,
+                kind: layer.kind(),
+                master: param.master().clone(),
+                working: param.working().cloned(),
+                trainable: param.trainable().clone(),
+                group: 0,
+                no_decay: layer.no_weight_decay(name),
+            });
         });
         first_error.map_or(Ok(()), Err)?;
         Ok(ParamGroups { params, groups: vec![GroupOptions::default()] })

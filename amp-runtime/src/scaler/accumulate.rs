@@ -258,14 +258,9 @@ impl GradScaler {
         let mut grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
         crate::grads_to_masters(model, &mut grads)?;
         // The masters, each once: a variable shared by two layers (tied weights) is summed once.
-        let (mut masters, mut seen) = (Vec::new(), HashSet::new());
-        model.visit(&mut crate::Cursor::new(), &mut |_: crate::LayerSite<'_>, layer: &dyn crate::Layer| {
-            for (_, param) in layer.params() {
-                let master = param.master().as_tensor();
-                if seen.insert(master.id()) {
-                    masters.push(master.clone());
-                }
-            }
+        let mut masters = Vec::new();
+        crate::module::for_each_unique_param(model, |_, _, _, param| {
+            masters.push(param.master().as_tensor().clone());
         });
         let keys: Vec<&Tensor> = masters.iter().collect();
         if accumulator.is_empty() {
