@@ -137,7 +137,7 @@ fn train(
     let results = serde_json::json!({
         "task": { "vocab": VOCAB, "successors": SUCCESSORS, "entropy_floor": floor, "best_accuracy": best_accuracy },
         "size": size.name, "d_model": embed, "layers": layers, "heads": heads,
-        "flops_per_step": size.flops_per_step(), "matmul_bf16": bf16_kernel(size, &device),
+        "flops_per_step": size.flops_per_step(), "matmul_bf16": bf16_kernel(size, &device).kernel.to_string(),
         "steps": steps, "batch": batch, "seq": seq, "lr": size.lr, "opt_level": args.opt_level.to_string(),
         "data_parallel": data_parallel, "avx2_only": args.avx2_only,
         "seeds": seeds.iter().map(|s| report::seed_json(s, size.tokens(), floor)).collect::<Vec<_>>(),
@@ -175,9 +175,9 @@ fn as_avx2_only() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 }
 
 /// The kernel amp's dispatch picks for the size's bf16 MLP product.
-fn bf16_kernel(size: Size, device: &Device) -> String {
+fn bf16_kernel(size: Size, device: &Device) -> amp::dispatch::Choice {
     let dims = amp::dispatch::Dims::new(size.tokens(), 4 * size.shape.embed, size.shape.embed);
-    amp::dispatch::explain(device, Precision::Bf16, dims).kernel.to_string()
+    amp::dispatch::explain(device, Precision::Bf16, dims)
 }
 
 /// What is trained and how: the task, the precision plan of the first mixed run, the model and the
@@ -218,7 +218,16 @@ fn header(
     );
     let dims = amp::dispatch::Dims::new(batch * seq, 4 * embed, embed);
     let f32_path = amp::dispatch::explain(&device, Precision::Fp32, dims);
-    println!("matrix products: fp32 on {}; bf16 and fp16 on {}", f32_path.kernel, bf16_kernel(size, &device));
+    let bf16 = bf16_kernel(size, &device);
+    println!("matrix products: fp32 on {}; bf16 and fp16 on {}", f32_path.kernel, bf16.kernel);
+    if bf16.kernel == f32_path.kernel {
+        // No faster bf16 product on this CPU: say so before the speed-up column does.
+        println!(
+            "  bf16: {}; so bf16 multiplies no faster than fp32 here (expect about fp32's speed; bf16 is \
+             faster on AMX or on a vdpbf16ps that outruns the FMA)",
+            bf16.reason
+        );
+    }
     let allocator = if cfg!(feature = "mimalloc") { "mimalloc" } else { "the system's" };
     println!("allocator: {allocator}, freed memory kept for reuse (amp::memory::retain_freed_memory)");
     println!("threads: {candle_threads}");

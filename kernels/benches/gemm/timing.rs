@@ -142,7 +142,8 @@ impl Summary {
             let dot = rows.iter().find(|r| r.name.contains("vdpbf16ps"));
             println!("  AVX512-BF16 CPU (amp bf16 = the chosen path, {chosen}):");
             println!("    amp bf16 / candle f32 at 2048^3: {:.2}x (goal >= 3x)", candle / best_bf16);
-            let ceiling = [Peak::Tile, Peak::Dot, Peak::Fma].iter().filter_map(|&p| peaks.of(p)).fold(0.0, f64::max);
+            let ceiling =
+                [Peak::Tile, Peak::Dot, Peak::Fma].iter().filter_map(|&p| peaks.of(p)).fold(0.0, f64::max);
             let candle_gflops = flops / candle / 1e9;
             println!(
                 "      (the highest peak measured in these rounds, {ceiling:.0} GFLOP/s, is {:.2}x candle f32)",
