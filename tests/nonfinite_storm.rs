@@ -3,18 +3,19 @@
 //! in bursts of 50 consecutive steps. Every step, no master, moment or working copy is non-finite; every
 //! injected step is skipped and its report names the injected parameter, no other step is skipped; the
 //! scale stays within [min_scale, max_scale]. Also a NaN in the forward input and an activation that
-//! overflows fp16 between two fp16 layers: skipped, nothing changed.
+//! overflows fp16 between two fp16 layers: skipped, nothing changed (a BatchNorm's running statistics
+//! included).
 
 mod common;
 mod reliability;
 
 use amp::checkpoint::TrainingState;
-use amp::nn::{linear, Linear};
+use amp::nn::{batch_norm, linear, BatchNorm, Linear};
 use amp::optim::{AdamConfig, FusedAdamW, FusedLamb, FusedOptimizer, LambConfig, ParamGroups};
 use amp::scaler::{AtScaleFloor, ScalerConfig, SkipReason};
 use amp::{AmpConfig, AmpModule, AmpModuleExt, GradScaler, OptLevel, Precision};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::{ModuleT, VarBuilder, VarMap};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use reliability::{fp16_net, Net, Outcome};
@@ -178,5 +179,60 @@ fn a_nan_input_and_an_fp16_overflow_inside_the_model_skip_the_step() -> Outcome 
     assert!(!report.applied(), "{report}");
     assert_eq!(reliability::snapshot(&model, &[&adam])?, before, "an overflowing activation changed nothing");
     assert_eq!(adam.steps()?, 0);
+    Ok(())
+}
+
+/// An fp16 layer into a BatchNorm, whose forward folds the batch's statistics into its running ones.
+#[derive(AmpModule)]
+struct Normed {
+    first: Linear,
+    norm: BatchNorm,
+}
+
+impl Module for Normed {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.norm.forward_t(&self.first.forward(x)?, true)
+    }
+}
+
+/// A NaN and an infinite input into a BatchNorm: the skipped steps leave its running statistics (buffers, which
+/// checkpoints save) as they were, where folding a NaN batch mean in would have made every later eval
+/// forward NaN. A finite step then moves them.
+#[test]
+fn a_skipped_step_leaves_batch_norm_running_statistics_unchanged() -> Outcome {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let mut model = Normed {
+        first: linear(SIZES.0, SIZES.1, vb.pp("first"))?,
+        norm: batch_norm(SIZES.1, 1e-5, vb.pp("norm"))?,
+    };
+    amp::initialize(&mut model, AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(Precision::Fp16))?;
+    let mut adam = FusedAdamW::new(ParamGroups::from_model(&model)?, AdamConfig::default())?;
+    let mut scaler = GradScaler::new(ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+    let (x, _) = reliability::batch(0, 8, SIZES.0, SIZES.2)?;
+    let loss = |x: &Tensor| model.forward(x)?.sqr()?.mean_all();
+    assert!(model.named_buffers().len() == 2, "the snapshot sees the running statistics");
+
+    let before = reliability::snapshot(&model, &[&adam])?;
+    let mut values = x.flatten_all()?.to_vec1::<f32>()?;
+    values[5] = f32::NAN;
+    let nan_x = Tensor::from_vec(values, x.shape(), &Device::Cpu)?;
+    let report = scaler.step_fused(&loss(&nan_x)?, &mut adam, None)?;
+    assert!(!report.applied(), "{report}");
+    assert_eq!(reliability::snapshot(&model, &[&adam])?, before, "a NaN input changed nothing");
+
+    // An infinite input: the batch's mean is inf and its variance NaN.
+    let mut values = x.flatten_all()?.to_vec1::<f32>()?;
+    values[3] = f32::INFINITY;
+    let inf_x = Tensor::from_vec(values, x.shape(), &Device::Cpu)?;
+    let report = scaler.step_fused(&loss(&inf_x)?, &mut adam, None)?;
+    assert!(!report.applied(), "{report}");
+    assert_eq!(reliability::snapshot(&model, &[&adam])?, before, "an infinite input changed nothing");
+
+    let mean = || model.norm.running_mean().to_vec1::<f32>();
+    let stale = mean()?;
+    model.forward(&x)?;
+    assert_ne!(mean()?, stale, "a finite batch moves the running mean");
+    assert!(mean()?.iter().all(|m| m.is_finite()));
     Ok(())
 }

@@ -461,6 +461,27 @@ fn bad_views_are_refused_and_nothing_is_written() {
         Start::Zero,
     );
     assert!(matches!(err, Err(GemmError::OutOfBounds { needed: usize::MAX, .. })), "{err:?}");
+    // Operands that repeat one element through zero strides pass the bounds check at any k; a k this
+    // large once wrapped the packed lengths to nothing (in a release build) and the kernel read past
+    // them. Refused before anything is packed.
+    let one = [1.0f32; 1];
+    let repeat = MatRef { data: one[..].into(), row_stride: 0, col_stride: 0, batch_stride: 0 };
+    let mut c6 = [7.0f32; 6];
+    for k in [1usize << 63, usize::MAX, (isize::MAX as usize) / 4] {
+        let err = gemm_with(
+            path,
+            Dims::new(6, 1, k),
+            repeat,
+            repeat,
+            MatMut::row_major(&mut c6[..], 1),
+            Compute::F32,
+            Start::Zero,
+        )
+        .unwrap_err();
+        assert!(matches!(err, GemmError::TooLarge { m: 6, n: 1, .. }), "{err}");
+        assert!(err.to_string().contains("split it along k"), "{err}");
+    }
+    assert_eq!(c6, [7.0; 6]);
     assert_eq!(c, [7.0; 4]);
 }
 

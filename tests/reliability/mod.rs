@@ -75,6 +75,9 @@ pub fn snapshot<M: AmpModule + ?Sized>(
             all.push((format!("{name} working"), bits(working.as_tensor())));
         }
     }
+    for (name, buffer) in net.named_buffers() {
+        all.push((format!("{name} buffer"), bits(buffer.as_tensor())));
+    }
     for state in states {
         let saved = state.save_state()?;
         let key = state.state_key();

@@ -10,6 +10,11 @@
 //! Evaluation normalises with the running statistics. Everything, the running updates included, is f32
 //! whatever the input dtype; the result returns in the input's dtype (or the policy's output).
 //!
+//! A batch whose statistics are not finite (a NaN or an infinity in the input, an overflow upstream) is
+//! not folded into the running statistics: the loss scaler skips that step, and the buffers stay as they
+//! were, where PyTorch's would hold NaN from then on. A step skipped for a gradient that overflowed
+//! behind finite activations still moves them, as in PyTorch: the forward runs before the scaler knows.
+//!
 //! The running statistics are buffers, not parameters: [`Layer::params`] lists only `weight` and
 //! `bias` (what optimizers train and `amp::initialize` converts), and [`BatchNorm::buffers`] lists the
 //! two statistics. They are f32 `Var`s obtained through the `VarBuilder` under candle-nn's names, so a
@@ -127,21 +132,46 @@ impl BatchNorm {
             candle_core::bail!("batch-norm: training needs more than one value per channel, got {count}");
         }
         let momentum = self.config.momentum;
-        let x = if self.config.remove_mean {
+        let (x, batch_mean) = if self.config.remove_mean {
             let mean = x.mean_keepdim(1)?;
             let batch_mean = (mean.detach().flatten_all()? * momentum)?;
-            self.running_mean.set(&((self.running_mean.as_tensor() * (1.0 - momentum))? + batch_mean)?)?;
-            x.broadcast_sub(&mean)?
+            (x.broadcast_sub(&mean)?, Some(batch_mean))
         } else {
-            x
+            (x, None)
         };
         let var = x.sqr()?.mean_keepdim(1)?;
         // The unbiased variance, with Bessel's factor folded into the momentum weight.
         let unbiased = (var.detach().flatten_all()? * (momentum * count as f64 / (count - 1) as f64))?;
-        self.running_var.set(&((self.running_var.as_tensor() * (1.0 - momentum))? + unbiased)?)?;
+        self.update_running_statistics(batch_mean.as_ref(), &unbiased, momentum)?;
         let normed = x.broadcast_div(&(var + self.config.eps)?.sqrt()?)?;
         let y = self.affine(normed, &[transposed_dims[0], 1])?;
         y.reshape(transposed_dims)?.transpose(0, 1)
+    }
+
+    /// Folds a batch's (momentum-weighted) statistics into the running ones, unless one of them is not
+    /// finite: a NaN in the input or an overflow upstream, whose step the loss scaler skips, then leaves
+    /// the running statistics as they were (PyTorch's would hold NaN from then on). Decided on the
+    /// device, all statistics or none, without reading them back.
+    fn update_running_statistics(
+        &self,
+        batch_mean: Option<&Tensor>,
+        unbiased: &Tensor,
+        momentum: f64,
+    ) -> Result<()> {
+        // `0 * t` is 0 where `t` is finite and NaN elsewhere; its sum is 0 exactly when all are finite.
+        let mut not_finite = (unbiased * 0.0)?.sum_all()?;
+        if let Some(mean) = batch_mean {
+            not_finite = (not_finite + (mean * 0.0)?.sum_all()?)?;
+        }
+        let finite = not_finite.eq(0f64)?.broadcast_as(unbiased.shape())?;
+        let fold = |running: &Var, batch: &Tensor| -> Result<()> {
+            let updated = ((running.as_tensor() * (1.0 - momentum))? + batch)?;
+            running.set(&finite.where_cond(&updated, running.as_tensor())?)
+        };
+        if let Some(mean) = batch_mean {
+            fold(&self.running_mean, mean)?;
+        }
+        fold(&self.running_var, unbiased)
     }
 
     /// Normalises with the running statistics.

@@ -210,6 +210,22 @@ pub enum GemmError {
         /// C's columns.
         n: usize,
     },
+    /// A product whose packed operands (each padded to whole panels and k-groups) would not fit in the
+    /// address space: only operands that repeat their elements through zero strides can be that large.
+    #[error(
+        "GEMM product too large to pack: {products} product(s) of ({m} x {k}) · ({k} x {n}) would pack more \
+         than isize::MAX bytes; split it along k or the batch"
+    )]
+    TooLarge {
+        /// Products of the call (the batch, times the groups).
+        products: usize,
+        /// Rows of A and C.
+        m: usize,
+        /// Columns of B and C.
+        n: usize,
+        /// The summed dimension.
+        k: usize,
+    },
     /// The path cannot run here or cannot compute this product.
     #[error("GEMM path `{path}` cannot run: {reason}")]
     Unsupported {
@@ -256,11 +272,30 @@ fn check_bounds(
     })
 }
 
-/// Every index the product reads of A and B is inside its slice.
+/// Every index the product reads of A and B is inside its slice, and the packed operands fit in memory.
 pub(crate) fn check_operands(dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>) -> Result<(), GemmError> {
     let Dims { batch, m, n, k } = dims;
     check_bounds("A", (batch, m, k), [a.batch_stride, a.row_stride, a.col_stride], a.data.len())?;
-    check_bounds("B", (batch, k, n), [b.batch_stride, b.row_stride, b.col_stride], b.data.len())
+    check_bounds("B", (batch, k, n), [b.batch_stride, b.row_stride, b.col_stride], b.data.len())?;
+    check_packable(dims, 1)
+}
+
+/// The packing's sizes, `products x rows x steps` words with rows padded to a panel (at most 64) and
+/// steps to a group (at most 32 `k`), cannot overflow: bounded here by `products (rows + 64) (k + 64)`
+/// 4-byte words within `isize::MAX` bytes, for A's rows and B's columns. An operand with zero strides
+/// passes the bounds check at any size; without this, a `k` near `usize::MAX` wrapped the packed
+/// lengths to nothing in a release build and the micro-kernel read past the buffers.
+fn check_packable(dims: Dims, groups: usize) -> Result<(), GemmError> {
+    let Dims { batch, m, n, k } = dims;
+    let products = batch.checked_mul(groups);
+    let bytes = |rows: usize| {
+        products?.checked_mul(rows.checked_add(64)?)?.checked_mul(k.checked_add(64)?)?.checked_mul(4)
+    };
+    let fits = |rows: usize| bytes(rows).is_some_and(|b| b <= isize::MAX as usize);
+    if fits(m) && fits(n) {
+        return Ok(());
+    }
+    Err(GemmError::TooLarge { products: products.unwrap_or(usize::MAX), m, n, k })
 }
 
 /// Every index that any product of `groups` reads of A and B is inside its slice: the first's and the
@@ -289,7 +324,8 @@ pub(crate) fn check_groups<'a>(
     };
     let a = shifted("A", *a, groups.a_step, (dims.m, dims.k))?;
     let b = shifted("B", *b, groups.b_step, (dims.k, dims.n))?;
-    check_operands(dims, &a, &b)
+    check_operands(dims, &a, &b)?;
+    check_packable(dims, groups.count)
 }
 
 /// Every index the product reads or writes is inside its slice, and C's elements are distinct.
