@@ -408,3 +408,45 @@ fn without_masters_the_sums_are_f32_and_apply_gets_them_rounded_once() -> Outcom
     assert!(report.applied(), "{report}");
     Ok(())
 }
+
+/// Refusals that come from the gradients rather than the window also keep the sums: a parameter the
+/// window holds no gradient for (`MissingGradients::Error`, the default) in `step_fused_accumulated`,
+/// and an O3 fp16 window that `step_accumulated` would have to unscale in fp16. Before, both emptied
+/// the accumulator first, and their "nothing was changed" lost the window.
+#[test]
+fn refusals_for_the_gradients_keep_the_window() -> Outcome {
+    // A second layer that the loss does not reach: no gradient for it in any micro-batch.
+    #[derive(AmpModule)]
+    struct Unused {
+        used: Linear,
+        unused: Linear,
+    }
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let mut model = Unused { used: linear(4, 2, vb.pp("used"))?, unused: linear(4, 2, vb.pp("unused"))? };
+    amp::initialize(&mut model, o2(Precision::Bf16))?;
+    let mut adam = FusedAdamW::new(ParamGroups::from_model(&model)?, AdamConfig::default())?;
+    let mut scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
+    let mut accumulator = GradAccumulator::new();
+    for j in 0..2 {
+        let (x, y) = micro_batch(j, 4, 4, 2)?;
+        scaler.accumulate(&model, &(mse(&model.used, &x, &y)? / 2.0)?, &mut accumulator)?;
+    }
+    let bytes = accumulator.bytes();
+    let err = scaler.step_fused_accumulated(&mut accumulator, &mut adam, None).err();
+    assert!(matches!(&err, Some(Error::NoGradient { .. })), "{err:?}");
+    assert_eq!((accumulator.micro_batches(), accumulator.bytes()), (2, bytes), "the sums are kept");
+
+    let o3 = head(8, 4, AmpConfig::new(OptLevel::O3, &Device::Cpu).with_half(Precision::Fp16))?;
+    let mut scaler = GradScaler::new(ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+    let mut accumulator = GradAccumulator::new();
+    for j in 0..2 {
+        let (x, y) = micro_batch(j, 4, 8, 4)?;
+        scaler.accumulate(&o3, &(mse(&o3, &x, &y)? / 2.0)?, &mut accumulator)?;
+    }
+    let bytes = accumulator.bytes();
+    let err = scaler.step_accumulated(&o3, &mut accumulator, |_| Ok(())).err();
+    assert!(matches!(&err, Some(Error::Fp16Unscale { .. })), "{err:?}");
+    assert_eq!((accumulator.micro_batches(), accumulator.bytes()), (2, bytes), "the sums are kept");
+    Ok(())
+}

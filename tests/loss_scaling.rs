@@ -653,3 +653,45 @@ fn a_bad_clipping_threshold_is_refused_and_changes_nothing() -> amp::Result<()> 
     assert_eq!(scaler.state().steps, 1, "a valid threshold steps");
     Ok(())
 }
+
+/// A learning rate set to NaN, infinity or below 0 (`set_learning_rate` takes any value, as candle's
+/// optimizers' does) is refused by the next step of each fused optimizer: weights
+/// (refused before the optimizer touches anything) and scaler as they were, where a NaN rate made
+/// every weight NaN on a step reported as applied.
+#[test]
+fn a_bad_learning_rate_is_refused_by_the_step_and_changes_nothing() -> amp::Result<()> {
+    use amp::optim::{
+        AdamConfig, FusedAdam, FusedLamb, FusedOptimizer, FusedSgd, LambConfig, ParamGroups, SgdConfig,
+    };
+    let net = fp16_net()?;
+    let groups = || ParamGroups::from_model(&net);
+    let mut optimizers: Vec<Box<dyn FusedOptimizer>> = vec![
+        Box::new(FusedAdam::new(groups()?, AdamConfig::default())?),
+        Box::new(FusedSgd::new(groups()?, SgdConfig { momentum: 0.9, ..SgdConfig::default() })?),
+        Box::new(FusedLamb::new(groups()?, LambConfig::default())?),
+    ];
+    let mut scaler = GradScaler::for_model(&net, ScalerConfig::default())?;
+    let sgd = Sgd::new(&net)?;
+    let (x, y) = batch(0)?;
+    for optimizer in &mut optimizers {
+        let lr = optimizer.learning_rate();
+        for bad in [f64::NAN, f64::INFINITY, -1e-3] {
+            let (before, state) = (snapshot(&net, &sgd), *scaler.state());
+            optimizer.set_learning_rate(bad);
+            let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+            match scaler.step_fused(&loss, optimizer.as_mut(), None) {
+                Err(amp::Error::InvalidOptimizerConfig { reason }) => {
+                    assert!(reason.contains("`lr`"), "{reason}")
+                }
+                other => panic!("lr {bad}: expected a refusal, got {other:?}"),
+            }
+            assert_eq!(snapshot(&net, &sgd), before, "lr {bad}");
+            assert_eq!(scaler.state(), &state, "lr {bad}");
+        }
+        optimizer.set_learning_rate(lr);
+        let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+        let report = scaler.step_fused(&loss, optimizer.as_mut(), None)?;
+        assert!(report.applied(), "a valid rate steps: {report}");
+    }
+    Ok(())
+}

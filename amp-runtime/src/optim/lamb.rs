@@ -143,6 +143,8 @@ impl FusedLamb {
 
 impl FusedOptimizer for FusedLamb {
     fn step_scaled(&mut self, grads: &GradStore, inv_grad_scale: f32) -> Result<()> {
+        // `set_learning_rate` takes any value; a step refuses one out of range before it changes anything.
+        validate::non_negative("lr", self.core.config.lr)?;
         #[cfg(feature = "cuda")]
         if self.core.on_cuda(grads) {
             return self.device_step(grads, crate::cuda::Gate::Host(inv_grad_scale));
@@ -176,6 +178,7 @@ impl FusedOptimizer for FusedLamb {
 
     #[cfg(feature = "cuda")]
     fn step_gated(&mut self, grads: &GradStore, gate: &crate::cuda::DeviceGate<'_>) -> Result<()> {
+        validate::non_negative("lr", self.core.config.lr)?;
         self.device_step(grads, crate::cuda::Gate::Device(*gate))
     }
 

@@ -75,7 +75,10 @@ pub trait FusedOptimizer {
     /// The base learning rate.
     fn learning_rate(&self) -> f64;
 
-    /// Sets the base learning rate (for schedulers; groups with their own rate keep it).
+    /// Sets the base learning rate (for schedulers; groups with their own rate keep it). amp's fused
+    /// optimizers refuse a rate that is not finite or is below 0 at their next step
+    /// ([`Error::InvalidOptimizerConfig`](crate::Error::InvalidOptimizerConfig)), which then changes
+    /// nothing: a NaN rate would turn every weight into NaN on a step reported as applied.
     fn set_learning_rate(&mut self, lr: f64);
 
     /// The parameters and their groups.
@@ -188,6 +191,14 @@ impl GradScaler {
         check_max_grad_norm(max_grad_norm)?;
         self.reclaim()?;
         let params = optimizer.param_groups().params();
+        // A parameter without a gradient is refused before the window is taken, so that its sums are
+        // kept (as for the accumulator's own refusals); a window to be skipped for its loss is not looked
+        // at, as `step_fused` does not look at gradients after a non-finite loss.
+        if let Some((sums, loss_finite)) = accumulator.sums() {
+            if loss_finite || stages.collective() {
+                self.check_gradients_once(params.iter().map(OptimParam::checked), sums)?;
+            }
+        }
         let updated = params.iter().map(|p| (p.path.as_str(), p.master.as_tensor()));
         // The sums are folded onto the masters already (`accumulate`), each in f32.
         let crate::scaler::Window { grads, loss_finite } = accumulator.take(self.window_mark(), updated)?;

@@ -105,6 +105,12 @@ impl GradAccumulator {
         self.sums.as_ref()?.get(master)
     }
 
+    /// The sums, if any micro-batch was added, and whether every micro-batch's loss was finite (a window
+    /// with a non-finite loss is skipped before its gradients are looked at).
+    pub(crate) fn sums(&self) -> Option<(&GradStore, bool)> {
+        self.sums.as_ref().map(|sums| (sums, self.loss_finite))
+    }
+
     /// Bytes the sums hold.
     pub fn bytes(&self) -> usize {
         let Some(sums) = &self.sums else { return 0 };
@@ -292,6 +298,18 @@ impl GradScaler {
     ) -> Result<crate::scaler::StepReport> {
         self.reclaim()?;
         let params = model.unique_params();
+        // `unscale` would refuse a half gradient without an fp32 master (O3 fp16) at a scale other than
+        // 1: refused here, before the window is taken, so that its sums are kept.
+        let finite_window = accumulator.sums().is_some_and(|(_, loss_finite)| loss_finite);
+        if self.enabled && self.state.scale != 1.0 && finite_window {
+            let half = params.iter().find(|(_, p)| {
+                let master = p.master().as_tensor();
+                master.dtype() == DType::F16 && accumulator.gradient(master).is_some()
+            });
+            if let Some((path, _)) = half {
+                return Err(Error::Fp16Unscale { path: path.clone(), scale: self.state.scale });
+            }
+        }
         let updated = params.iter().map(|(path, p)| (path.as_str(), p.master().as_tensor()));
         let Window { mut grads, loss_finite } = accumulator.take(self.window_mark(), updated)?;
         if !loss_finite {
