@@ -695,3 +695,25 @@ fn a_bad_learning_rate_is_refused_by_the_step_and_changes_nothing() -> amp::Resu
     }
     Ok(())
 }
+
+/// `load_state` holds a state to the invariants a checkpoint's is held to: a scale outside the config's
+/// bounds or hysteresis left above the config's is refused, and the scaler keeps its own.
+#[test]
+fn load_state_refuses_a_state_the_config_cannot_reach() -> amp::Result<()> {
+    let config = ScalerConfig { hysteresis: 2, ..ScalerConfig::default() };
+    let mut scaler = GradScaler::new(config)?;
+    let good = *scaler.state();
+    let mut above = good;
+    above.scale = config.max_scale * 2.0;
+    let mut hysteresis = good;
+    hysteresis.hysteresis_left = 3;
+    for (what, bad) in [("scale", above), ("hysteresis_left", hysteresis)] {
+        match scaler.load_state(config, bad) {
+            Err(amp::Error::InvalidScalerConfig { reason }) => assert!(reason.contains(what), "{reason}"),
+            other => panic!("{what}: expected a refusal, got {other:?}"),
+        }
+        assert_eq!(scaler.state(), &good, "{what}");
+    }
+    scaler.load_state(config, good)?;
+    Ok(())
+}

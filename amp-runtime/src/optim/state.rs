@@ -75,7 +75,7 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
             }
             let name = format!("{}/{}", param.path, buffer.name);
             match by_name.get(name.as_str()) {
-                None => return Err(bad(format!("`{name}` is missing"))),
+                None => return Err(bad(format!("`{name}` is missing: {MATCHED_BY_NAME}"))),
                 Some(t) if t.elem_count() != values.len() => {
                     return Err(bad(format!(
                         "`{name}` has {} values, the parameter {}: {MATCHED_BY_NAME}",
@@ -92,7 +92,11 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
                     )))
                 }
                 Some(t) if t.dtype() != candle_core::DType::F32 => {
-                    return Err(bad(format!("`{name}` is {:?}, optimizer state is F32", t.dtype())))
+                    return Err(bad(format!(
+                        "`{name}` is {:?}, where optimizer state is F32: the checkpoint was not written by \
+                         amp's optimizer, or was edited",
+                        t.dtype()
+                    )))
                 }
                 Some(_) => {}
             }
@@ -185,11 +189,14 @@ fn checked_settings<T: Checkpointed>(
     T::validate_config(&settings.config)?;
     super::validate::groups(&settings.groups)?;
     if settings.step == u64::MAX {
-        return Err(bad("its step count is at u64::MAX".into()));
+        return Err(bad("its step count is at u64::MAX, which no training reaches: the file is damaged or \
+             was not written by amp; load another checkpoint"
+            .into()));
     }
     if settings.groups.len() != core.groups.groups.len() {
         return Err(bad(format!(
-            "it has {} parameter group(s), this optimizer {}",
+            "it has {} parameter group(s), this optimizer {}: build the optimizer's groups as when saving \
+             (the same `ParamGroups::with_group` calls, in the same order)",
             settings.groups.len(),
             core.groups.groups.len()
         )));

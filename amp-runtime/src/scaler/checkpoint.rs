@@ -21,7 +21,7 @@ fn parse(key: &str, state: &SavedState) -> Result<Saved> {
 }
 
 /// The invariants the scaler keeps: a state that breaks one was not written by it.
-fn check_state(state: &ScaleState, config: &ScalerConfig) -> std::result::Result<(), String> {
+pub(super) fn check_state(state: &ScaleState, config: &ScalerConfig) -> std::result::Result<(), String> {
     let scale = state.scale;
     if !(scale.is_finite() && scale >= config.min_scale && scale <= config.max_scale) {
         return Err(format!(

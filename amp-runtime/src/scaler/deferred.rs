@@ -116,8 +116,10 @@ impl GradScaler {
     /// [`settle`](Self::settle), as often as you like (every 100 steps, at logging time). On the CPU
     /// it is `step_fused`, with the report kept for `settle`.
     ///
-    /// A skipped step changes no weight, as with `step_fused`; a non-finite value at the minimum scale
-    /// is reported by the next `settle` (an error if the config says to stop).
+    /// A skipped step changes no weight, as with `step_fused`. A non-finite value at the minimum scale,
+    /// where the config says to stop, is reported by the next `settle` on a CUDA device; on the CPU it is
+    /// this call's error at once (`step_fused`'s [`Error::ScaleAtFloor`]), and that step is not among
+    /// the ones `settle` sums.
     ///
     /// # Errors
     /// [`Error::NotDeferrable`] from an optimizer that cannot step this way (amp's fused optimizers

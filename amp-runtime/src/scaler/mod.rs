@@ -296,9 +296,13 @@ impl GradScaler {
     }
 
     /// Restores a state saved from [`state`](Self::state) and [`config`](Self::config): the run goes on
-    /// exactly as if uninterrupted.
+    /// exactly as if uninterrupted. A state the scaler could not have reached under `config` (a scale
+    /// outside its bounds, a tracker past its interval) is refused, as a checkpoint's is, and nothing
+    /// changes.
     pub fn load_state(&mut self, config: ScalerConfig, state: ScaleState) -> Result<()> {
         config.validate()?;
+        checkpoint::check_state(&state, &config)
+            .map_err(|what| Error::InvalidScalerConfig { reason: format!("scaler state: {what}") })?;
         self.config = config;
         self.state = state;
         self.forget_deferred();
