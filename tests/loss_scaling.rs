@@ -687,6 +687,15 @@ fn a_bad_learning_rate_is_refused_by_the_step_and_changes_nothing() -> amp::Resu
             }
             assert_eq!(snapshot(&net, &sgd), before, "lr {bad}");
             assert_eq!(scaler.state(), &state, "lr {bad}");
+            // The deferred step refuses it before anything is queued.
+            let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+            let refused = scaler.step_fused_deferred(&loss, optimizer.as_mut(), None);
+            assert!(
+                matches!(refused, Err(amp::Error::InvalidOptimizerConfig { .. })),
+                "lr {bad}: {refused:?}"
+            );
+            assert_eq!(snapshot(&net, &sgd), before, "lr {bad}, deferred");
+            assert_eq!(scaler.state(), &state, "lr {bad}, deferred");
         }
         optimizer.set_learning_rate(lr);
         let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;

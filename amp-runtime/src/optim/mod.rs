@@ -37,7 +37,7 @@ mod lamb;
 mod params;
 mod sgd;
 mod state;
-mod validate;
+pub(crate) mod validate;
 
 pub use adam::{AdamConfig, FusedAdam, FusedAdamW};
 pub use lamb::{FusedLamb, LambConfig};

@@ -131,6 +131,9 @@ impl GradScaler {
         max_grad_norm: Option<f32>,
     ) -> Result<()> {
         crate::optim::check_max_grad_norm(max_grad_norm)?;
+        // Refused here, before anything is queued: an optimizer's own refusal inside the queued step
+        // would count as a skipped step on the device.
+        crate::optim::validate::non_negative("lr", optimizer.learning_rate())?;
         if !loss.device().is_cuda() {
             let report = self.step_fused(loss, optimizer, max_grad_norm)?;
             self.window.add_report(&report);
