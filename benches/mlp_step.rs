@@ -123,8 +123,9 @@ fn main() -> amp::Result<()> {
     // setting a CPU training binary wants; see `amp::memory`.
     let retained = amp::memory::retain_freed_memory();
     println!("freed memory retained by the allocator: {retained}");
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a 2-thread pool");
-    pool.install(bench)
+    // On amp's pool, as a training loop runs (`amp::threads::run_on_rayon_pool`): one thread a core
+    // (`RAYON_NUM_THREADS` to change it), the others looking for work between the ops.
+    amp::threads::run_on_rayon_pool(bench)
 }
 
 fn bench() -> amp::Result<()> {
@@ -161,7 +162,7 @@ fn bench() -> amp::Result<()> {
         }
     }
     let bf16 = dispatch::explain(&dev, Precision::Bf16, dispatch::Dims::new(BATCH, WIDTH, WIDTH));
-    println!("MLP step: 4 x Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, MSE, fused AdamW; 2 threads, {ROUNDS} rounds");
+    println!("MLP step: 4 x Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, MSE, fused AdamW; {} threads, {ROUNDS} rounds", rayon::current_num_threads());
     println!("bf16 products: {bf16}");
     let ms = |i: usize| median(&runs[i].times);
     // The fp32 baseline: the faster of candle's matmul and amp's f32 GEMM on the same CPU (features).
