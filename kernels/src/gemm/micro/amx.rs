@@ -9,7 +9,8 @@
 
 use std::arch::asm;
 
-use super::{Blocking, Micro, AMX_32X32};
+use super::x86::round_rows_32;
+use super::{Blocking, HalfC, Micro, TileFrom, AMX_32X32};
 use crate::Isa;
 
 /// AMX `tdpbf16ps`, 32 x 32 tiles. Constructible only where [`Isa::AmxBf16`] runs (the CPU has AMX and
@@ -78,6 +79,28 @@ impl Micro for TileAmx {
     ) {
         // SAFETY: the caller's guarantee; `row` holds the tile's 32 columns.
         unsafe { self.run(steps, a, b, c, ldc, Start::Row(row)) }
+    }
+
+    unsafe fn tile_to_half<H: HalfC>(
+        self,
+        steps: usize,
+        a: *const u32,
+        b: *const u32,
+        (c, ldc): (*mut f32, usize),
+        from: TileFrom,
+        (out, ldo): (*mut H, usize),
+    ) {
+        let start = match from {
+            TileFrom::Zero => Start::Zero,
+            TileFrom::Tile => Start::C,
+            TileFrom::Row(row) => Start::Row(row),
+        };
+        // SAFETY: the caller's guarantee; `Isa::AmxBf16` runs only where AVX512-BF16 does, so AVX-512 is
+        // there for the rounding.
+        unsafe {
+            self.run(steps, a, b, c, ldc, start);
+            round_rows_32(AMX_32X32.mr, (c, ldc), (out.cast::<u16>(), ldo), H::BF16);
+        }
     }
 }
 
