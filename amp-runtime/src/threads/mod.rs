@@ -92,9 +92,11 @@ pub const POOL_STACK_BYTES: usize = 64 << 20;
 /// [`crate::cast_cache::CastCache`]) stays with the calling thread. A panic in `work` reaches the
 /// caller. Where the pool cannot start (no thread could be spawned), `work` runs on the calling
 /// thread, with a warning logged once. While `work` runs, the pool's other threads spin between the
-/// ops it forks instead of going to sleep, so each op starts on every core at once; they nap after
-/// 2 ms without work, and go back to sleeping as rayon does when `work` returns or while another
-/// call's work shares the pool.
+/// ops it forks instead of going to sleep, so each op starts on every core at once; they yield the
+/// core to any other thread that wants it, nap after 2 ms without work, and go back to sleeping as
+/// rayon does when `work` returns. They stay out of a call whose work shares the pool with another
+/// call's (from the moment the second starts), and of a pool with more threads than the machine has
+/// cores.
 ///
 /// ```
 /// let loss = amp_runtime::threads::run_on_rayon_pool(|| {
@@ -159,7 +161,17 @@ mod tests {
     /// share it.
     fn exclusive_pool() -> MutexGuard<'static, ()> {
         static POOL: Mutex<()> = Mutex::new(());
-        POOL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        let pool = POOL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // The last test's helpers have left (they see its loop stop at their next look).
+        assert_eq!(wait_for_helpers(0), 0, "a helper of an earlier loop stayed");
+        pool
+    }
+
+    /// Whether helpers run on amp's pool here: two threads at least, no more than the cores.
+    fn helpers_run() -> bool {
+        let threads = amp_pool().expect("the pool starts").current_num_threads();
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        threads > 1 && threads <= cores
     }
 
     /// Waits (up to 20 s) until `helping` helpers are inside their loop; the count seen last.
@@ -177,16 +189,19 @@ mod tests {
     #[test]
     fn the_other_threads_help_while_the_work_runs_and_stop_when_it_returns() {
         let _pool = exclusive_pool();
-        let others = amp_pool().expect("the pool starts").current_num_threads() - 1;
-        let (seen, sum) = run_on_rayon_pool(|| {
-            let seen = wait_for_helpers(others);
+        let others =
+            if helpers_run() { amp_pool().expect("the pool starts").current_num_threads() - 1 } else { 0 };
+        let (at_start, sum) = run_on_rayon_pool(|| {
+            // The work starts once every helper has entered, before it forks anything: none can start
+            // inside one of its jobs.
+            let at_start = helpers::HELPING.load(Ordering::Acquire);
             // Work forked now runs on the helpers as on sleeping threads: same result.
             let sum: u64 = rayon::iter::ParallelIterator::sum(
                 rayon::iter::IntoParallelIterator::into_par_iter(0..100_000u64),
             );
-            (seen, sum)
+            (at_start, sum)
         });
-        assert_eq!(seen, others, "every other thread of the pool helps while the work runs");
+        assert_eq!(at_start, others, "every other thread of the pool helps from the work's start");
         assert_eq!(sum, 4_999_950_000);
         assert_eq!(wait_for_helpers(0), 0, "the helpers return with the work");
         // A panicking work stops them too.
@@ -201,7 +216,7 @@ mod tests {
     }
 
     #[test]
-    fn a_helper_that_lands_in_another_loop_returns_at_once() {
+    fn a_loop_started_beside_another_holds_neither() {
         let _pool = exclusive_pool();
         if amp_pool().expect("the pool starts").current_num_threads() < 2 {
             eprintln!("skipped: two loops need two threads in the pool");
@@ -209,9 +224,10 @@ mod tests {
         }
         use std::sync::atomic::AtomicBool;
         use std::sync::Arc;
-        // Loop B runs; loop A starts on B's helper and starts helpers of its own, one of which lands in
-        // B's loop the next time it looks for work (as in a join's wait). A then waits for B to pass:
-        // a helper that stayed would hold B until A ended, and A would never see it.
+        // Loop B runs with its helper; loop A starts on that helper's thread, while B looks for work
+        // (as in a join's wait) until A says it started, then for whatever A queued. A then waits for B
+        // to pass: a helper of A that had landed in B's loop and stayed would hold B until A ended, and
+        // A would never see it.
         let (a_started, b_passed) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
         let (b_running, b_is_running) = std::sync::mpsc::channel();
         let b = {
@@ -251,13 +267,20 @@ mod tests {
         }
         // Two callers whose loops wait for each other inside, forking all the while: a helper of one
         // loop taken inside the other's fork-join would hold it until its own loop ended, and the
-        // loops would never meet.
+        // loops would never meet. Both loops run before either forks or blocks: a loop still queued
+        // could be taken up inside the other's fork-join and block it at the barrier (rayon's, not the
+        // helpers', hazard).
         let meet = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let started = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let (done, finished) = std::sync::mpsc::channel();
         for caller in 0..2u64 {
-            let (meet, done) = (meet.clone(), done.clone());
+            let (meet, started, done) = (meet.clone(), started.clone(), done.clone());
             std::thread::spawn(move || {
                 let sum = run_on_rayon_pool(|| {
+                    started.fetch_add(1, Ordering::AcqRel);
+                    while started.load(Ordering::Acquire) < 2 {
+                        std::hint::spin_loop();
+                    }
                     let mut sum = 0u64;
                     for round in 0..50u64 {
                         let (a, b) = rayon::join(|| round * 2, || caller + round);
