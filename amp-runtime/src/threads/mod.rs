@@ -25,8 +25,8 @@
 //! runs): fp32, bf16 and fp16 steps 0.87-1.01x the time, median 0.95x; the operating system's share
 //! of the samples from 9% to 6% (its scheduler's from about 4% to 2%). While the loop runs, the pool's
 //! other threads look for work instead of sleeping between ops (`helpers`): on the main job on a Xeon
-//! (AMX), 2 cores, 2026-12-06, the builds without and with them alternated, three pairs of runs: fp32
-//! steps 0.94-0.96x the time, bf16 0.93-0.95x, fp16 0.93-0.95x; the MLP bench's (`cargo bench --bench
+//! (AMX), 2 cores, 2026-12-06, the builds without and with them alternated, six pairs of runs: fp32
+//! steps 0.93-0.96x the time, bf16 0.91-0.96x, fp16 0.93-0.96x; the MLP bench's (`cargo bench --bench
 //! mlp_step`) bf16 step 0.93-0.96x, fp32 0.98-0.99x, three pairs.
 
 mod helpers;
