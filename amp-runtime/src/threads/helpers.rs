@@ -9,8 +9,8 @@
 //! pool runs [`look_for_work`] instead: it takes any job the pool has (`rayon::yield_now`) and spins
 //! between them, so it joins the next op at once. Every 64 fruitless looks it yields the core to any
 //! other thread that wants it (candle's own pool, where a program keeps one), and after [`NAP_AFTER`]
-//! without work (a loop that evaluates, writes files or waits) it naps [`NAP`] at a time, so an idle
-//! loop does not hold a core.
+//! without work (a loop that evaluates, writes files or waits) it naps [`NAP`] at a time, after
+//! [`LONG_NAP_AFTER`] [`LONG_NAP`] at a time, so an idle loop does not hold a core.
 //!
 //! A helper runs the pool's jobs from inside its own, so it must never itself start inside a job of
 //! a loop (in a join's wait), where it would hold that job until its loop ended, and the loop would
@@ -31,6 +31,11 @@ use std::time::{Duration, Instant};
 pub(super) const NAP_AFTER: Duration = Duration::from_millis(2);
 /// One nap.
 pub(super) const NAP: Duration = Duration::from_micros(100);
+/// Idle time after which a helper naps [`LONG_NAP`] at a time: a loop that sleeps or waits on I/O then
+/// costs about 1% of a core per helper instead of about 15%.
+pub(super) const LONG_NAP_AFTER: Duration = Duration::from_millis(50);
+/// One nap after [`LONG_NAP_AFTER`]: the most a loop's first op after a long pause waits for a helper.
+pub(super) const LONG_NAP: Duration = Duration::from_millis(1);
 /// How long a loop waits for its helpers to enter before it starts without the late ones.
 pub(super) const ENTRY_WAIT: Duration = Duration::from_millis(200);
 
@@ -117,11 +122,13 @@ fn look_for_work(stop: &AtomicBool) {
         looks = looks.wrapping_add(1);
         if !looks.is_multiple_of(LOOKS_PER_CLOCK) {
             std::hint::spin_loop();
-        } else if idle_since.get_or_insert_with(Instant::now).elapsed() > NAP_AFTER {
-            std::thread::sleep(NAP);
-        } else {
+            continue;
+        }
+        match idle_since.get_or_insert_with(Instant::now).elapsed() {
+            idle if idle > LONG_NAP_AFTER => std::thread::sleep(LONG_NAP),
+            idle if idle > NAP_AFTER => std::thread::sleep(NAP),
             // Lets another thread that wants this core run (candle's own pool, where it has one).
-            std::thread::yield_now();
+            _ => std::thread::yield_now(),
         }
     }
     HELPING.fetch_sub(1, Ordering::AcqRel);
