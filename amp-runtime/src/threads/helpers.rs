@@ -41,7 +41,7 @@ pub(super) const ENTRY_WAIT: Duration = Duration::from_millis(200);
 
 /// Loops running on the pool now.
 static LOOPS: AtomicUsize = AtomicUsize::new(0);
-/// Helpers inside [`look_for_work`] now, of any loop (read by the tests).
+/// Helpers of any loop inside their loop now, or about to enter it (read by the tests).
 pub(super) static HELPING: AtomicUsize = AtomicUsize::new(0);
 
 /// Set in [`Entry`] once the loop has stopped waiting for its helpers: a copy that comes later stays out.
@@ -76,8 +76,13 @@ impl Helpers {
             let copy = shared.clone();
             pool.spawn_broadcast(move |ctx| {
                 // The caller's own copy runs whenever the loop first waits in a join: it returns.
-                if Some(ctx.index()) != caller && enter(&copy.entry) {
-                    look_for_work(&copy.stop);
+                if Some(ctx.index()) != caller {
+                    // Counted before it enters, so that a loop sees every helper it waited for.
+                    HELPING.fetch_add(1, Ordering::AcqRel);
+                    if enter(&copy.entry) {
+                        look_for_work(&copy.stop);
+                    }
+                    HELPING.fetch_sub(1, Ordering::AcqRel);
                 }
             });
             let since = Instant::now();
@@ -110,7 +115,6 @@ fn enter(entry: &AtomicUsize) -> bool {
 fn look_for_work(stop: &AtomicBool) {
     /// Fruitless looks between reads of the clock.
     const LOOKS_PER_CLOCK: u32 = 64;
-    HELPING.fetch_add(1, Ordering::AcqRel);
     let mut idle_since: Option<Instant> = None;
     let mut looks = 0u32;
     while !stop.load(Ordering::Acquire) && LOOPS.load(Ordering::Acquire) == 1 {
@@ -131,5 +135,4 @@ fn look_for_work(stop: &AtomicBool) {
             _ => std::thread::yield_now(),
         }
     }
-    HELPING.fetch_sub(1, Ordering::AcqRel);
 }
