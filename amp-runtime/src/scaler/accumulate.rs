@@ -300,15 +300,13 @@ impl GradScaler {
         let params = model.unique_params();
         // `unscale` would refuse a half gradient without an fp32 master (O3 fp16) at a scale other than
         // 1: refused here, before the window is taken, so that its sums are kept.
-        let finite_window = accumulator.sums().is_some_and(|(_, loss_finite)| loss_finite);
-        if self.enabled && self.state.scale != 1.0 && finite_window {
-            let half = params.iter().find(|(_, p)| {
+        if accumulator.sums().is_some_and(|(_, loss_finite)| loss_finite) {
+            let fp16_gradients = params.iter().filter_map(|(path, p)| {
                 let master = p.master().as_tensor();
-                master.dtype() == DType::F16 && accumulator.gradient(master).is_some()
+                (master.dtype() == DType::F16 && accumulator.gradient(master).is_some())
+                    .then_some(path.as_str())
             });
-            if let Some((path, _)) = half {
-                return Err(Error::Fp16Unscale { path: path.clone(), scale: self.state.scale });
-            }
+            self.refuse_fp16_unscale(fp16_gradients)?;
         }
         let updated = params.iter().map(|(path, p)| (path.as_str(), p.master().as_tensor()));
         let Window { mut grads, loss_finite } = accumulator.take(self.window_mark(), updated)?;

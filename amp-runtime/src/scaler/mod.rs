@@ -215,11 +215,9 @@ impl GradScaler {
             .filter_map(|(path, p)| grads.get(p.master().as_tensor()).map(|g| (path.as_str(), g)))
             .collect();
         let tensors: Vec<&Tensor> = present.iter().map(|(_, g)| *g).collect();
-        if self.enabled && self.state.scale != 1.0 {
-            if let Some((path, _)) = present.iter().find(|(_, g)| g.dtype() == DType::F16) {
-                return Err(Error::Fp16Unscale { path: (*path).to_string(), scale: self.state.scale });
-            }
-        }
+        self.refuse_fp16_unscale(
+            present.iter().filter(|(_, g)| g.dtype() == DType::F16).map(|(path, _)| *path),
+        )?;
         let first = if self.enabled {
             crate::passes::unscale_and_check(&tensors, 1.0 / self.state.scale)?
         } else if self.finite_guard {
@@ -228,6 +226,18 @@ impl GradScaler {
             None
         };
         Ok(Unscaled { first_non_finite: first.map(|i| present[i].0.to_string()) })
+    }
+
+    /// [`Error::Fp16Unscale`] naming the first of `fp16_gradients` (the paths of fp16 gradients with no
+    /// fp32 master to unscale into, O3 fp16) when unscaling would divide by a scale other than 1: in fp16
+    /// that would flush small gradients to zero.
+    fn refuse_fp16_unscale<'p>(&self, mut fp16_gradients: impl Iterator<Item = &'p str>) -> Result<()> {
+        if self.enabled && self.state.scale != 1.0 {
+            if let Some(path) = fp16_gradients.next() {
+                return Err(Error::Fp16Unscale { path: path.to_string(), scale: self.state.scale });
+            }
+        }
+        Ok(())
     }
 
     /// Records a step's outcome and moves the scale. `skipped` is `None` when the optimizer was applied.
