@@ -13,7 +13,8 @@
 //! output folder.
 //!
 //! Run: `cargo run --release --example train` (all three runs of the default size, interleaved step
-//! by step: about a minute on 2 cores), `-- --size tiny` for the small model, or e.g.
+//! by step: about a minute on 2 cores), `-- --size tiny` for the small model, `-- --size wide` for
+//! twice the default's width, or e.g.
 //! `cargo run --release --example train -- --precision fp32,fp16 --opt-level O1 --steps 200 --out out/`.
 //! `--help` lists every flag.
 //!
