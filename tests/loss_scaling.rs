@@ -185,6 +185,47 @@ fn a_non_finite_gradient_skips_the_step_and_changes_nothing() -> amp::Result<()>
     Ok(())
 }
 
+/// The bits of every gradient of `net` in `grads`, by master.
+fn gradient_bits(net: &Net, grads: &candle_core::backprop::GradStore) -> amp::Result<Vec<Vec<u32>>> {
+    let mut all = Vec::new();
+    for master in net.master_vars() {
+        let grad = grads.get(master.as_tensor()).expect("every master has a gradient");
+        let values = grad.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        all.push(values.iter().map(|x| x.to_bits()).collect());
+    }
+    Ok(all)
+}
+
+/// `unscale` twice on the same gradients would divide them by the scale twice: the second call is
+/// refused, names the parameter and divides nothing; after `update`, a new backward pass's gradients
+/// unscale as usual, and so do a second backward pass's before any update (their tensors are new).
+#[test]
+fn unscaling_the_same_gradients_twice_is_refused_and_divides_nothing() -> amp::Result<()> {
+    let net = fp16_net()?;
+    let mut scaler = GradScaler::for_model(&net, ScalerConfig { init_scale: 1024.0, ..Default::default() })?;
+    let (x, y) = batch(0)?;
+    let loss = (net.forward(&x)? - &y)?.sqr()?.mean_all()?;
+    let mut grads = scaler.scale_loss(&loss)?.backward()?;
+    assert_eq!(scaler.unscale(&net, &mut grads)?.first_non_finite, None);
+    let once = gradient_bits(&net, &grads)?;
+    let err = scaler.unscale(&net, &mut grads).expect_err("a second unscale of the same gradients");
+    assert!(matches!(&err, amp::Error::AlreadyUnscaled { path } if path == "hidden.weight"), "{err}");
+    assert!(err.to_string().contains("divide it by the scale twice"), "{err}");
+    assert_eq!(gradient_bits(&net, &grads)?, once, "the refused call divided nothing");
+
+    // Another backward pass before the update (accumulating by hand): new tensors, unscaled.
+    let mut more = scaler.scale_loss(&loss)?.backward()?;
+    scaler.unscale(&net, &mut more)?;
+    assert_eq!(gradient_bits(&net, &more)?, once, "the same loss, the same unscaled gradients");
+    scaler.update(None)?;
+
+    // After the update, the next step's gradients unscale as usual.
+    let mut next = scaler.scale_loss(&loss)?.backward()?;
+    scaler.unscale(&net, &mut next)?;
+    assert_eq!(gradient_bits(&net, &next)?, once);
+    Ok(())
+}
+
 #[test]
 fn a_nan_loss_every_step_stops_at_the_floor_with_a_diagnostic() -> amp::Result<()> {
     let net = fp16_net()?;

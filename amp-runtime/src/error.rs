@@ -260,6 +260,19 @@ pub enum Error {
         scale: f32,
     },
 
+    /// A gradient [`GradScaler::unscale`](crate::scaler::GradScaler::unscale) has unscaled since the
+    /// scaler's last `update`.
+    #[error(
+        "the gradient of `{path}` was unscaled already since the scaler's last `update`: unscaling it \
+         again would divide it by the scale twice; nothing was divided. Unscale each backward pass's \
+         gradients once (clip between `unscale` and the optimizer), then call `update`; or let \
+         `GradScaler::step` do both"
+    )]
+    AlreadyUnscaled {
+        /// The first parameter (in model order) whose gradient was unscaled already.
+        path: String,
+    },
+
     /// Trainable parameters that received no gradient on the first step (see
     /// [`MissingGradients`](crate::scaler::MissingGradients)); nothing was changed.
     #[error(

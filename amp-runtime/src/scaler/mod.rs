@@ -34,8 +34,11 @@ pub use report::{SkipReason, StepReport};
 pub use settled::Settled;
 pub use state::{ScaleChange, ScaleState};
 
+use std::collections::HashSet;
+use std::sync::{Mutex, PoisonError};
+
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, TensorId};
 
 use crate::error::{Error, Result};
 use crate::{AmpModule, AmpModuleExt};
@@ -56,6 +59,9 @@ pub struct GradScaler {
     missing_gradients: MissingGradients,
     /// True once a step of this scaler has looked for parameters without a gradient.
     gradients_checked: bool,
+    /// The gradients (by tensor) that [`unscale`](Self::unscale) has divided by the scale since the
+    /// last [`update`](Self::update): unscaling one of them again would divide it twice.
+    unscaled: Mutex<HashSet<TensorId>>,
     /// The state on a CUDA device since the last deferred step (the truth while steps are queued).
     #[cfg(feature = "cuda")]
     device: Option<crate::cuda::QueuedScaler>,
@@ -82,6 +88,7 @@ impl GradScaler {
             window: Settled::none(1.0),
             missing_gradients: MissingGradients::Error,
             gradients_checked: false,
+            unscaled: Mutex::default(),
             #[cfg(feature = "cuda")]
             device: None,
         })
@@ -101,6 +108,7 @@ impl GradScaler {
             window: Settled::none(1.0),
             missing_gradients: MissingGradients::Error,
             gradients_checked: false,
+            unscaled: Mutex::default(),
             #[cfg(feature = "cuda")]
             device: None,
         }
@@ -203,9 +211,15 @@ impl GradScaler {
     /// happens in f32, never in fp16, where small unscaled gradients would flush to zero. A disabled
     /// scaler re-keys and, when guarded, only checks. Parameters without a gradient are ignored.
     ///
+    /// Each gradient is unscaled once per step: an enabled scaler refuses gradients it has unscaled
+    /// since its last [`update`](Self::update) (PyTorch's `unscale_` refuses a second call too), so
+    /// clip between `unscale` and the optimizer, then call `update`. Gradients of another backward
+    /// pass are new tensors and are unscaled as usual.
+    ///
     /// # Errors
     /// [`Error::Fp16Unscale`] for an fp16 gradient with no fp32 master (O3 fp16) at a scale other than
-    /// 1, changing nothing; [`Error::SplitGradient`] and candle's errors otherwise.
+    /// 1, and [`Error::AlreadyUnscaled`] for a gradient unscaled since the last update, each dividing
+    /// nothing; [`Error::SplitGradient`] and candle's errors otherwise.
     pub fn unscale<M: AmpModule + ?Sized>(&self, model: &M, grads: &mut GradStore) -> Result<Unscaled> {
         self.expect_settled("unscale")?;
         crate::grads_to_masters(model, grads)?;
@@ -219,6 +233,11 @@ impl GradScaler {
             present.iter().filter(|(_, g)| g.dtype() == DType::F16).map(|(path, _)| *path),
         )?;
         let first = if self.enabled {
+            let mut unscaled = self.unscaled.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some((path, _)) = present.iter().find(|(_, g)| unscaled.contains(&g.id())) {
+                return Err(Error::AlreadyUnscaled { path: path.to_string() });
+            }
+            unscaled.extend(tensors.iter().map(|g| g.id()));
             crate::passes::unscale_and_check(&tensors, 1.0 / self.state.scale)?
         } else if self.finite_guard {
             crate::passes::find_non_finite(&tensors)?
@@ -245,6 +264,7 @@ impl GradScaler {
     /// config says to stop.
     pub fn update(&mut self, skipped: Option<SkipReason>) -> Result<StepReport> {
         self.reclaim()?;
+        self.unscaled.get_mut().unwrap_or_else(PoisonError::into_inner).clear();
         let scale_before = self.state.scale;
         let warmup = skipped.is_some() && self.state.applied == 0;
         let change = self.state.update(skipped.is_some(), &self.config);
