@@ -504,6 +504,71 @@ fn forcing_a_path_the_cpu_lacks_names_the_missing_features() {
     }
 }
 
+/// C for `case` on `path` from `start`: `Start::Output` from `x.c0`, a bias from `bias`.
+fn run_from(path: GemmPath, case: &Case, x: &Inputs, bias: Option<&[f32]>) -> Vec<f32> {
+    let mut c = Owned::new(case.out, &x.c0);
+    let Dims { m, n, .. } = case.dims;
+    let out = MatMut { data: c.view_mut(), row_stride: n, batch_stride: m * n };
+    let start = match (bias, case.accumulate) {
+        (Some(bias), _) => Start::Bias(bias),
+        (None, true) => Start::Output,
+        (None, false) => Start::Zero,
+    };
+    gemm_with(path, case.dims, x.a.view(), x.b.view(), out, case.compute, start).unwrap();
+    c.to_f32()
+}
+
+/// On AMX a product of at most 64 rows whose B is bf16 with `k` contiguous (a Linear's weight) reads B
+/// where it lies, its tiles computing `C^T`; the same values with B stored the other way take the
+/// packed path. The two give the same bits, on the model and on the hardware, for every start and
+/// output type, and are within the bound.
+#[test]
+fn skinny_amx_products_reading_the_weight_in_place_match_the_packed_path_bit_for_bit() {
+    let paths = [GemmPath::AmxBf16Model, GemmPath::AmxBf16].into_iter().filter(|p| p.is_supported());
+    let shapes = [
+        (1, 1, 1, 32),
+        (1, 16, 40, 64),
+        (2, 33, 70, 100),
+        (1, 64, 33, 1100),
+        (1, 7, 96, 2112),
+        (1, 3, 5, 31),
+    ];
+    let mut rng = Rng(29);
+    for path in paths {
+        for (batch, m, n, k) in shapes {
+            for (out, accumulate, a_dtype, a_t) in [
+                (Dtype::F32, false, Dtype::Bf16, false),
+                (Dtype::Bf16, true, Dtype::F32, true),
+                (Dtype::F16, false, Dtype::F32, false),
+                (Dtype::F32, true, Dtype::Bf16, true),
+            ] {
+                let dims = Dims { batch, m, n, k };
+                let in_place = Case {
+                    dims,
+                    a: (a_dtype, a_t),
+                    b: (Dtype::Bf16, true),
+                    out,
+                    compute: Compute::Bf16,
+                    accumulate,
+                };
+                let packed = Case { b: (Dtype::Bf16, false), ..in_place };
+                let seed = rng.next_u64();
+                let (x, y) =
+                    (inputs(&in_place, &mut Rng(seed), -6, 6), inputs(&packed, &mut Rng(seed), -6, 6));
+                let bias = rng.vec(n, -2, 2);
+                for bias in [None, Some(&bias[..])] {
+                    let got = run_from(path, &in_place, &x, bias);
+                    let what = format!("{path} {in_place:?} bias {}", bias.is_some());
+                    assert_same(&what, &got, &run_from(path, &packed, &y, bias));
+                    if bias.is_none() {
+                        assert_within_bound(path, &in_place, &x, &got);
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_bias_row_starts_every_row_and_is_rounded_with_the_sum_once() {
     let mut rng = Rng(13);

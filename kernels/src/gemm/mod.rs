@@ -18,8 +18,10 @@
 //!   run in parallel on the current rayon pool, each through a register-blocked micro-kernel. bf16
 //!   products with at most 64 rows of A and both operands contiguous along `k` (a Linear's forward on
 //!   a small batch) skip the packing on the `vdpbf16ps` path: each element is a dot product of a row and
-//!   a column where they lie. Every element of C is summed in the same order whatever the thread
-//!   count, so results are deterministic.
+//!   a column where they lie. On AMX, products of at most 64 rows whose B is bf16 contiguous along `k`
+//!   read B where it lies too, their tiles computing `C^T = B^T·A^T` (the same sums, bit for bit).
+//!   Every element of C is summed in the same order whatever the thread count, so results are
+//!   deterministic.
 //!
 //! ```
 //! use amp_kernels::gemm::{gemm, Compute, Dims, MatMut, MatRef, Start};

@@ -41,6 +41,7 @@ use tiles::tile_steps;
 
 mod buffers;
 mod packing;
+mod skinny_tiles;
 mod sweep;
 mod tiles;
 
@@ -170,6 +171,15 @@ fn run_job(path: GemmPath, job: Job<'_>) {
                 job.run_skinny(skinny::RowDotsAvx512Bf16::new().expect(CHECKED), parallel)
             }
             _ => job.run_skinny(skinny::RowDotsModel, parallel),
+        }
+        return;
+    }
+    if skinny_tiles::applies(path, &job) {
+        let parallel = job.dims.flops() >= PARALLEL_FLOPS;
+        match path {
+            #[cfg(target_arch = "x86_64")]
+            GemmPath::AmxBf16 => job.run_skinny_tiles(micro::TileAmx::new().expect(CHECKED), parallel),
+            _ => job.run_skinny_tiles(micro::TileModel, parallel),
         }
         return;
     }

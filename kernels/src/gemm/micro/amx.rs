@@ -10,7 +10,7 @@
 use std::arch::asm;
 
 use super::x86::round_rows_32;
-use super::{Blocking, HalfC, Micro, TileFrom, AMX_32X32};
+use super::{Blocking, HalfC, Micro, TileFrom, TransposedTile, AMX_32X32};
 use crate::Isa;
 
 /// AMX `tdpbf16ps`, 32 x 32 tiles. Constructible only where [`Isa::AmxBf16`] runs (the CPU has AMX and
@@ -190,6 +190,73 @@ impl TileAmx {
                 c2 = in(reg) c_low,
                 c3 = in(reg) c_low.add(16),
                 stride = in(reg) c_row_bytes,
+                options(nostack, preserves_flags),
+            );
+        }
+    }
+}
+
+impl TransposedTile for TileAmx {
+    unsafe fn transposed_tile(
+        self,
+        groups: usize,
+        (w, ldw): (*const u16, usize),
+        at: *const u32,
+        tile: &mut [f32; 1024],
+    ) {
+        // The tile's four quarters, rows of 32 floats: lines 0..16 and 16..32 by A^T's columns 0..16 and
+        // 16..32 (tmm0..tmm3); 16 lines of w (tmm4, tmm5) and 16 columns of A^T (tmm6, tmm7) per group.
+        const TILE_ROW_BYTES: usize = 32 * 4;
+        let t = tile.as_mut_ptr();
+        let w_row_bytes = ldw * 2;
+        // SAFETY (whole body): `begin` configured the tiles on this thread; `w` holds 32 lines of
+        // `32 * groups` values `ldw` apart and `at` `16 * groups` steps of 32 pairs (the caller's
+        // guarantee), and the tile 32 rows of 32 floats, so every tile row loaded or stored lies inside
+        // them.
+        unsafe {
+            let (t_low, w_low) = (t.add(16 * 32), w.add(16 * ldw));
+            asm!(
+                "tileloadd tmm0, [{t0} + {stride}*1]",
+                "tileloadd tmm1, [{t1} + {stride}*1]",
+                "tileloadd tmm2, [{t2} + {stride}*1]",
+                "tileloadd tmm3, [{t3} + {stride}*1]",
+                t0 = in(reg) t,
+                t1 = in(reg) t.add(16),
+                t2 = in(reg) t_low,
+                t3 = in(reg) t_low.add(16),
+                stride = in(reg) TILE_ROW_BYTES,
+                options(nostack, readonly, preserves_flags),
+            );
+            for group in 0..groups {
+                let a0 = at.add(group * GROUP * 32);
+                asm!(
+                    "tileloadd tmm4, [{w0} + {sw}*1]",
+                    "tileloadd tmm5, [{w1} + {sw}*1]",
+                    "tileloadd tmm6, [{a0} + {sa}*1]",
+                    "tileloadd tmm7, [{a1} + {sa}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    w0 = in(reg) w.add(group * 32),
+                    w1 = in(reg) w_low.add(group * 32),
+                    a0 = in(reg) a0,
+                    a1 = in(reg) a0.add(16),
+                    sw = in(reg) w_row_bytes,
+                    sa = in(reg) B_ROW_BYTES,
+                    options(nostack, readonly, preserves_flags),
+                );
+            }
+            asm!(
+                "tilestored [{t0} + {stride}*1], tmm0",
+                "tilestored [{t1} + {stride}*1], tmm1",
+                "tilestored [{t2} + {stride}*1], tmm2",
+                "tilestored [{t3} + {stride}*1], tmm3",
+                t0 = in(reg) t,
+                t1 = in(reg) t.add(16),
+                t2 = in(reg) t_low,
+                t3 = in(reg) t_low.add(16),
+                stride = in(reg) TILE_ROW_BYTES,
                 options(nostack, preserves_flags),
             );
         }

@@ -140,6 +140,25 @@ impl HalfC for bf16 {
     const BF16: bool = true;
 }
 
+/// The AMX tile product with the roles of A and B traded (`driver::skinny_tiles`): a 32 x 32 tile of
+/// `C^T = B^T·A^T` whose tile-product A operand is read where it lies.
+pub(crate) trait TransposedTile {
+    /// `tile[l * 32 + r] += sum_k w[l][k] · at[k][r]` over `groups` groups of 32 `k`, in the order of
+    /// the AMX tile kernel: `w` holds 32 lines of bf16 bits `ldw` apart, `at` the step-major panel of
+    /// A^T (`[16 * groups][32]` pairs, as a B panel is packed).
+    ///
+    /// # Safety
+    /// `w` is valid for 32 lines of `32 * groups` values `ldw` apart, `at` for `16 * groups * 32` words;
+    /// [`Micro::begin`] was called on this thread since the last [`Micro::end`].
+    unsafe fn transposed_tile(
+        self,
+        groups: usize,
+        w: (*const u16, usize),
+        at: *const u32,
+        tile: &mut [f32; 1024],
+    );
+}
+
 /// A micro-kernel and its blocking. Values of implementing types exist only where the CPU runs them
 /// (their constructors check), which is what makes [`Micro::tile`] callable.
 pub(crate) trait Micro: Copy + Send + Sync {

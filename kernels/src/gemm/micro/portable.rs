@@ -1,7 +1,7 @@
 //! Micro-kernels in plain Rust: f32 FMA chains, and the software models of the zmm FMA, `vdpbf16ps`
 //! and AMX kernels.
 
-use super::{Blocking, Micro, AMX_32X32, F32_6X16, F32_6X64, PAIRS_6X64};
+use super::{Blocking, Micro, TransposedTile, AMX_32X32, F32_6X16, F32_6X64, PAIRS_6X64};
 use crate::gemm::dpbf16::{dpbf16_pair, tdpbf16_pair};
 
 /// f32 fused multiply-adds, 6 x 16 tiles (LLVM vectorises the 16 columns where it can).
@@ -116,6 +116,31 @@ impl Micro for TileModel {
             for (s, b_row) in b.chunks_exact(NR).enumerate() {
                 let x = a[(s / GROUP) * MR * GROUP + r * GROUP + s % GROUP];
                 for (acc, &y) in row.iter_mut().zip(b_row) {
+                    *acc = tdpbf16_pair(*acc, x, y);
+                }
+            }
+        }
+    }
+}
+
+impl TransposedTile for TileModel {
+    unsafe fn transposed_tile(
+        self,
+        groups: usize,
+        (w, ldw): (*const u16, usize),
+        at: *const u32,
+        tile: &mut [f32; 1024],
+    ) {
+        const LINES: usize = 32;
+        let steps = groups * AMX_32X32.a_group;
+        // SAFETY: the caller guarantees `steps` steps of 32 pairs of A^T.
+        let at = unsafe { std::slice::from_raw_parts(at, steps * LINES) };
+        for (l, line) in tile.chunks_exact_mut(LINES).enumerate() {
+            // SAFETY: line `l` of w holds `2 * steps` values (the caller's guarantee).
+            let w = unsafe { std::slice::from_raw_parts(w.add(l * ldw), 2 * steps) };
+            for (pair, a_step) in w.chunks_exact(2).zip(at.chunks_exact(LINES)) {
+                let x = u32::from(pair[0]) | u32::from(pair[1]) << 16;
+                for (acc, &y) in line.iter_mut().zip(a_step) {
                     *acc = tdpbf16_pair(*acc, x, y);
                 }
             }
