@@ -260,8 +260,8 @@ pub enum Error {
         scale: f32,
     },
 
-    /// A gradient [`GradScaler::unscale`](crate::scaler::GradScaler::unscale) has unscaled since the
-    /// scaler's last `update`.
+    /// A gradient the last [`GradScaler::unscale`](crate::scaler::GradScaler::unscale) divided, before
+    /// the scaler's `update`.
     #[error(
         "the gradient of `{path}` was unscaled already since the scaler's last `update`: unscaling it \
          again would divide it by the scale twice; nothing was divided. Unscale each backward pass's \

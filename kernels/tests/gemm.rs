@@ -525,14 +525,24 @@ fn run_from(path: GemmPath, case: &Case, x: &Inputs, bias: Option<&[f32]>) -> Ve
 #[test]
 fn skinny_amx_products_reading_the_weight_in_place_match_the_packed_path_bit_for_bit() {
     let paths = [GemmPath::AmxBf16Model, GemmPath::AmxBf16].into_iter().filter(|p| p.is_supported());
+    // In place (k a multiple of 32, whole blocks of 32 columns), batched or not; through the padded copy
+    // (the last `k`, the last block's missing columns); and k < 32, which takes the packed path.
     let shapes = [
-        (1, 1, 1, 32),
+        (1, 1, 2, 32),
         (1, 16, 40, 64),
+        (2, 9, 64, 96),
         (2, 33, 70, 100),
         (1, 64, 33, 1100),
         (1, 7, 96, 2112),
         (1, 3, 5, 31),
     ];
+    // B's lines padded with NaN: a read past `k` would show.
+    let stored = |case: &Case, seed: u64| {
+        let (mut rng, Dims { batch, m, n, k }) = (Rng(seed), case.dims);
+        let a = Stored::new(&rng.vec(batch * m * k, -6, 6), case.a.0, (batch, m, k), case.a.1, 1);
+        let b = Stored::new(&rng.vec(batch * k * n, -6, 6), case.b.0, (batch, k, n), case.b.1, 3);
+        Inputs { a, b, c0: rng.vec(batch * m * n, -6, 6) }
+    };
     let mut rng = Rng(29);
     for path in paths {
         for (batch, m, n, k) in shapes {
@@ -553,8 +563,7 @@ fn skinny_amx_products_reading_the_weight_in_place_match_the_packed_path_bit_for
                 };
                 let packed = Case { b: (Dtype::Bf16, false), ..in_place };
                 let seed = rng.next_u64();
-                let (x, y) =
-                    (inputs(&in_place, &mut Rng(seed), -6, 6), inputs(&packed, &mut Rng(seed), -6, 6));
+                let (x, y) = (stored(&in_place, seed), stored(&packed, seed));
                 let bias = rng.vec(n, -2, 2);
                 for bias in [None, Some(&bias[..])] {
                     let got = run_from(path, &in_place, &x, bias);

@@ -59,8 +59,9 @@ pub struct GradScaler {
     missing_gradients: MissingGradients,
     /// True once a step of this scaler has looked for parameters without a gradient.
     gradients_checked: bool,
-    /// The gradients (by tensor) that [`unscale`](Self::unscale) has divided by the scale since the
-    /// last [`update`](Self::update): unscaling one of them again would divide it twice.
+    /// The gradients (by tensor) that the last [`unscale`](Self::unscale) divided by the scale, until
+    /// the next [`update`](Self::update): unscaling one of them again would divide it twice. One call's
+    /// worth, so a loop that never calls `update` keeps no more.
     unscaled: Mutex<HashSet<TensorId>>,
     /// The state on a CUDA device since the last deferred step (the truth while steps are queued).
     #[cfg(feature = "cuda")]
@@ -211,15 +212,15 @@ impl GradScaler {
     /// happens in f32, never in fp16, where small unscaled gradients would flush to zero. A disabled
     /// scaler re-keys and, when guarded, only checks. Parameters without a gradient are ignored.
     ///
-    /// Each gradient is unscaled once per step: an enabled scaler refuses gradients it has unscaled
-    /// since its last [`update`](Self::update) (PyTorch's `unscale_` refuses a second call too), so
-    /// clip between `unscale` and the optimizer, then call `update`. Gradients of another backward
-    /// pass are new tensors and are unscaled as usual.
+    /// Each gradient is unscaled once per step: an enabled scaler refuses the gradients its last
+    /// `unscale` divided, until [`update`](Self::update) (PyTorch's `unscale_` refuses a second call
+    /// too), so clip between `unscale` and the optimizer, then call `update`. Gradients of another
+    /// backward pass are new tensors and are unscaled as usual.
     ///
     /// # Errors
     /// [`Error::Fp16Unscale`] for an fp16 gradient with no fp32 master (O3 fp16) at a scale other than
-    /// 1, and [`Error::AlreadyUnscaled`] for a gradient unscaled since the last update, each dividing
-    /// nothing; [`Error::SplitGradient`] and candle's errors otherwise.
+    /// 1, and [`Error::AlreadyUnscaled`] for a gradient the last `unscale` divided (before an update),
+    /// each dividing nothing; [`Error::SplitGradient`] and candle's errors otherwise.
     pub fn unscale<M: AmpModule + ?Sized>(&self, model: &M, grads: &mut GradStore) -> Result<Unscaled> {
         self.expect_settled("unscale")?;
         crate::grads_to_masters(model, grads)?;
@@ -237,8 +238,9 @@ impl GradScaler {
             if let Some((path, _)) = present.iter().find(|(_, g)| unscaled.contains(&g.id())) {
                 return Err(Error::AlreadyUnscaled { path: path.to_string() });
             }
-            unscaled.extend(tensors.iter().map(|g| g.id()));
-            crate::passes::unscale_and_check(&tensors, 1.0 / self.state.scale)?
+            let first = crate::passes::unscale_and_check(&tensors, 1.0 / self.state.scale)?;
+            *unscaled = tensors.iter().map(|g| g.id()).collect();
+            first
         } else if self.finite_guard {
             crate::passes::find_non_finite(&tensors)?
         } else {

@@ -18,8 +18,10 @@
 //!   run in parallel on the current rayon pool, each through a register-blocked micro-kernel. bf16
 //!   products with at most 64 rows of A and both operands contiguous along `k` (a Linear's forward on
 //!   a small batch) skip the packing on the `vdpbf16ps` path: each element is a dot product of a row and
-//!   a column where they lie. On AMX, products of at most 64 rows whose B is bf16 contiguous along `k`
-//!   read B where it lies too, their tiles computing `C^T = B^T·A^T` (the same sums, bit for bit).
+//!   a column where they lie. On AMX, a single product (or a batch) of at most 64 rows whose B is bf16
+//!   contiguous along `k`, `k` at least 32 and nothing skipped, reads B once, mostly where it lies (a
+//!   zero-padded copy of a block where `k` is not a multiple of 32 or at C's last columns), its tiles
+//!   computing `C^T = B^T·A^T` with the packed path's sums.
 //!   Every element of C is summed in the same order whatever the thread count, so results are
 //!   deterministic.
 //!

@@ -20,7 +20,8 @@
 //!    where A is not known to be zero, or leaves a tile of C wholly above the diagonal at its start.
 //!
 //! Every element of C is one FMA chain in `k` order regardless of blocking or thread count. (bf16
-//! products with few rows of A and both operands contiguous along `k` take [`super::skinny`] instead.)
+//! products with few rows of A and both operands contiguous along `k` take [`super::skinny`] instead on
+//! the `vdpbf16ps` path, and on AMX those whose B alone is contiguous along `k` take `skinny_tiles`.)
 //!
 //! This file plans a product and runs its blocks; `packing` packs the operands (1), `sweep` runs a
 //! block's tiles (2, 3), `tiles` holds the tiles the micro-kernel does not take whole (the steps a

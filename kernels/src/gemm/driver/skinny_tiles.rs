@@ -10,10 +10,15 @@
 //! -> 0.99-1.06 ms, `64 x 4096 x 4096` 2.34-2.44 -> 1.70-1.88 ms, `1 x 4096 x 4096` 1.67-1.76 -> 0.98-1.03
 //! ms (a pass over the weight's 32 MiB measured 1.45 ms there), `64 x 768 x 3072` unchanged (0.36-0.40).
 //!
-//! The sums are the packed AMX path's, bit for bit: element `(i, j)` starts from the same value (zero,
-//! C, or the bias) and adds the same pairs of products in the same order; only the two factors of each
-//! product trade places, and a product of two bf16 values is exact in f32. On [`GemmPath::AmxBf16`] and
-//! its model.
+//! Where `k` is not a whole number of tile products, or the last block has fewer than 32 lines, that
+//! block's lines are copied into a zero-padded buffer first (still one read of B).
+//!
+//! The sums are the packed AMX path's: element `(i, j)` starts from the same value (zero, C, or the
+//! bias) and adds the same pairs of products in the same order; only the two factors of each product
+//! trade places, and a product of two bf16 values is exact in f32. The model's sums are therefore the
+//! packed model's bit for bit; the hardware's are the packed hardware path's wherever `tdpbf16ps` sums
+//! alike with its operands' roles traded, which `kernels/tests/gemm.rs` checks where AMX runs (it held
+//! on the Xeon measured). On [`GemmPath::AmxBf16`] and its model.
 
 use std::cell::Cell;
 
@@ -87,9 +92,14 @@ impl Job<'_> {
             } else {
                 let ldw = groups * GROUP_K;
                 let padded = cache_aligned(&mut copy, LINES * ldw);
-                padded.fill(0);
-                for (l, dst) in padded.chunks_exact_mut(ldw).take(lines).enumerate() {
-                    dst[..dims.k].copy_from_slice(&b[origin + l * self.b.col_stride..][..dims.k]);
+                for (l, dst) in padded.chunks_exact_mut(ldw).enumerate() {
+                    if l < lines {
+                        let (data, rest) = dst.split_at_mut(dims.k);
+                        data.copy_from_slice(&b[origin + l * self.b.col_stride..][..dims.k]);
+                        rest.fill(0);
+                    } else {
+                        dst.fill(0);
+                    }
                 }
                 (&*padded, ldw)
             };
