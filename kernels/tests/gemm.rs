@@ -525,16 +525,18 @@ fn run_from(path: GemmPath, case: &Case, x: &Inputs, bias: Option<&[f32]>) -> Ve
 #[test]
 fn skinny_amx_products_reading_the_weight_in_place_match_the_packed_path_bit_for_bit() {
     let paths = [GemmPath::AmxBf16Model, GemmPath::AmxBf16].into_iter().filter(|p| p.is_supported());
-    // In place (k a multiple of 32, whole blocks of 32 columns), batched or not; through the padded copy
-    // (the last `k`, the last block's missing columns); and k < 32, which takes the packed path.
+    // Whole blocks of 32 columns and tile products of `k`, batched or not; a last block moved back to
+    // end at `n` (columns summed twice, written once); a last `k % 32` through its zero-padded tile;
+    // and k or n below 32, which take the packed path.
     let shapes = [
-        (1, 1, 2, 32),
+        (1, 1, 32, 32),
         (1, 16, 40, 64),
         (2, 9, 64, 96),
         (2, 33, 70, 100),
         (1, 64, 33, 1100),
         (1, 7, 96, 2112),
-        (1, 3, 5, 31),
+        (1, 3, 40, 31),
+        (1, 5, 31, 64),
     ];
     // B's lines padded with NaN: a read past `k` would show.
     let stored = |case: &Case, seed: u64| {

@@ -21,7 +21,8 @@ fn outputs() -> Vec<Vec<u32>> {
     // GEMM on the portable micro-kernels, so that only the packing differs between versions: f32 and
     // half sources, row-major and transposed operands, f32 panels for each compute precision (rounded
     // or widened in registers where AVX2 is allowed), bf16 pairs (`vdpbf16ps` model) and AMX groups.
-    let (m, n, k) = (37, 70, 45);
+    // More than 64 rows: every path packs both operands (on AMX fewer rows may read B in place).
+    let (m, n, k) = (69, 70, 45);
     let (a32, b32) = (values(m * k, 1), values(k * n, 2));
     let a16: Vec<f16> = a32.iter().map(|&v| f16::from_f32(v)).collect();
     let bb16: Vec<bf16> = b32.iter().map(|&v| bf16::from_f32(v)).collect();

@@ -127,20 +127,8 @@ impl TileAmx {
         // `ldc` apart, A `steps / 16` groups of 32 lines x 16 pairs and B `steps` rows of 32 pairs (the
         // caller's guarantee), so every tile row loaded or stored lies inside them.
         unsafe {
-            let c_low = c.add(16 * ldc);
             match start {
-                Start::C => asm!(
-                    "tileloadd tmm0, [{c0} + {stride}*1]",
-                    "tileloadd tmm1, [{c1} + {stride}*1]",
-                    "tileloadd tmm2, [{c2} + {stride}*1]",
-                    "tileloadd tmm3, [{c3} + {stride}*1]",
-                    c0 = in(reg) c,
-                    c1 = in(reg) c.add(16),
-                    c2 = in(reg) c_low,
-                    c3 = in(reg) c_low.add(16),
-                    stride = in(reg) c_row_bytes,
-                    options(nostack, readonly, preserves_flags),
-                ),
+                Start::C => load_quarters(c, c_row_bytes),
                 Start::Row(row) => asm!(
                     "tileloadd tmm0, [{r0} + {zero}*1]",
                     "tileloadd tmm1, [{r1} + {zero}*1]",
@@ -161,38 +149,89 @@ impl TileAmx {
             }
             for group in 0..steps / GROUP {
                 let a0 = a.add(group * GROUP * AMX_32X32.mr);
-                let b0 = b.add(group * GROUP * AMX_32X32.nr);
-                asm!(
-                    "tileloadd tmm4, [{a0} + {sa}*1]",
-                    "tileloadd tmm5, [{a1} + {sa}*1]",
-                    "tileloadd tmm6, [{b0} + {sb}*1]",
-                    "tileloadd tmm7, [{b1} + {sb}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    a0 = in(reg) a0,
-                    a1 = in(reg) a0.add(16 * GROUP),
-                    b0 = in(reg) b0,
-                    b1 = in(reg) b0.add(16),
-                    sa = in(reg) A_ROW_BYTES,
-                    sb = in(reg) B_ROW_BYTES,
-                    options(nostack, readonly, preserves_flags),
-                );
+                let a_lines = (a0.cast(), a0.add(16 * GROUP).cast(), A_ROW_BYTES);
+                products(a_lines, b.add(group * GROUP * AMX_32X32.nr));
             }
-            asm!(
-                "tilestored [{c0} + {stride}*1], tmm0",
-                "tilestored [{c1} + {stride}*1], tmm1",
-                "tilestored [{c2} + {stride}*1], tmm2",
-                "tilestored [{c3} + {stride}*1], tmm3",
-                c0 = in(reg) c,
-                c1 = in(reg) c.add(16),
-                c2 = in(reg) c_low,
-                c3 = in(reg) c_low.add(16),
-                stride = in(reg) c_row_bytes,
-                options(nostack, preserves_flags),
-            );
+            store_quarters(c, c_row_bytes);
         }
+    }
+}
+
+/// Loads the four quarters of the 32 x 32 f32 tile at `c` (rows `row_bytes` apart) into tmm0..tmm3:
+/// rows 0..16 and 16..32 by columns 0..16 and 16..32.
+///
+/// # Safety
+/// The tiles are configured on this thread; `c` holds 32 rows of 32 floats `row_bytes` apart.
+#[inline(always)]
+unsafe fn load_quarters(c: *const f32, row_bytes: usize) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        asm!(
+            "tileloadd tmm0, [{c0} + {stride}*1]",
+            "tileloadd tmm1, [{c1} + {stride}*1]",
+            "tileloadd tmm2, [{c2} + {stride}*1]",
+            "tileloadd tmm3, [{c3} + {stride}*1]",
+            c0 = in(reg) c,
+            c1 = in(reg) c.add(16),
+            c2 = in(reg) c.byte_add(16 * row_bytes),
+            c3 = in(reg) c.byte_add(16 * row_bytes).add(16),
+            stride = in(reg) row_bytes,
+            options(nostack, readonly, preserves_flags),
+        );
+    }
+}
+
+/// Stores tmm0..tmm3 into the 32 x 32 f32 tile at `c`, as [`load_quarters`] loads them.
+///
+/// # Safety
+/// As [`load_quarters`], `c` writable.
+#[inline(always)]
+unsafe fn store_quarters(c: *mut f32, row_bytes: usize) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        asm!(
+            "tilestored [{c0} + {stride}*1], tmm0",
+            "tilestored [{c1} + {stride}*1], tmm1",
+            "tilestored [{c2} + {stride}*1], tmm2",
+            "tilestored [{c3} + {stride}*1], tmm3",
+            c0 = in(reg) c,
+            c1 = in(reg) c.add(16),
+            c2 = in(reg) c.byte_add(16 * row_bytes),
+            c3 = in(reg) c.byte_add(16 * row_bytes).add(16),
+            stride = in(reg) row_bytes,
+            options(nostack, preserves_flags),
+        );
+    }
+}
+
+/// One tile product of each quarter: A's lines 0..16 and 16..32 (tmm4, tmm5: 16 rows of 16 pairs from
+/// `a_lines.0` and `a_lines.1`, rows `a_lines.2` bytes apart) by B's columns 0..16 and 16..32 (tmm6,
+/// tmm7: 16 steps of a 32-column step-major panel from `b`) into tmm0..tmm3.
+///
+/// # Safety
+/// The tiles are configured on this thread; A holds 16 rows of 64 bytes from each of its two
+/// pointers, B 16 steps of 32 pairs.
+#[inline(always)]
+unsafe fn products((a, a_low, a_row_bytes): (*const u8, *const u8, usize), b: *const u32) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        asm!(
+            "tileloadd tmm4, [{a0} + {sa}*1]",
+            "tileloadd tmm5, [{a1} + {sa}*1]",
+            "tileloadd tmm6, [{b0} + {sb}*1]",
+            "tileloadd tmm7, [{b1} + {sb}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a,
+            a1 = in(reg) a_low,
+            b0 = in(reg) b,
+            b1 = in(reg) b.add(16),
+            sa = in(reg) a_row_bytes,
+            sb = in(reg) B_ROW_BYTES,
+            options(nostack, readonly, preserves_flags),
+        );
     }
 }
 
@@ -204,61 +243,20 @@ impl TransposedTile for TileAmx {
         at: *const u32,
         tile: &mut [f32; 1024],
     ) {
-        // The tile's four quarters, rows of 32 floats: lines 0..16 and 16..32 by A^T's columns 0..16 and
-        // 16..32 (tmm0..tmm3); 16 lines of w (tmm4, tmm5) and 16 columns of A^T (tmm6, tmm7) per group.
+        // C^T's quarters in tmm0..tmm3 (the tile's rows are 32 floats), 16 lines of w as each A tile
+        // (rows `ldw` values apart), A^T's panel as B.
         const TILE_ROW_BYTES: usize = 32 * 4;
         let t = tile.as_mut_ptr();
-        let w_row_bytes = ldw * 2;
-        // SAFETY (whole body): `begin` configured the tiles on this thread; `w` holds 32 lines of
-        // `32 * groups` values `ldw` apart and `at` `16 * groups` steps of 32 pairs (the caller's
-        // guarantee), and the tile 32 rows of 32 floats, so every tile row loaded or stored lies inside
-        // them.
+        // SAFETY: `begin` configured the tiles on this thread; `w` holds 32 lines of `32 * groups`
+        // values `ldw` apart and `at` `16 * groups` steps of 32 pairs (the caller's guarantee), and the
+        // tile 32 rows of 32 floats, so every tile row loaded or stored lies inside them.
         unsafe {
-            let (t_low, w_low) = (t.add(16 * 32), w.add(16 * ldw));
-            asm!(
-                "tileloadd tmm0, [{t0} + {stride}*1]",
-                "tileloadd tmm1, [{t1} + {stride}*1]",
-                "tileloadd tmm2, [{t2} + {stride}*1]",
-                "tileloadd tmm3, [{t3} + {stride}*1]",
-                t0 = in(reg) t,
-                t1 = in(reg) t.add(16),
-                t2 = in(reg) t_low,
-                t3 = in(reg) t_low.add(16),
-                stride = in(reg) TILE_ROW_BYTES,
-                options(nostack, readonly, preserves_flags),
-            );
+            load_quarters(t, TILE_ROW_BYTES);
             for group in 0..groups {
-                let a0 = at.add(group * GROUP * 32);
-                asm!(
-                    "tileloadd tmm4, [{w0} + {sw}*1]",
-                    "tileloadd tmm5, [{w1} + {sw}*1]",
-                    "tileloadd tmm6, [{a0} + {sa}*1]",
-                    "tileloadd tmm7, [{a1} + {sa}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    w0 = in(reg) w.add(group * 32),
-                    w1 = in(reg) w_low.add(group * 32),
-                    a0 = in(reg) a0,
-                    a1 = in(reg) a0.add(16),
-                    sw = in(reg) w_row_bytes,
-                    sa = in(reg) B_ROW_BYTES,
-                    options(nostack, readonly, preserves_flags),
-                );
+                let w0 = w.add(group * 32);
+                products((w0.cast(), w0.add(16 * ldw).cast(), ldw * 2), at.add(group * GROUP * 32));
             }
-            asm!(
-                "tilestored [{t0} + {stride}*1], tmm0",
-                "tilestored [{t1} + {stride}*1], tmm1",
-                "tilestored [{t2} + {stride}*1], tmm2",
-                "tilestored [{t3} + {stride}*1], tmm3",
-                t0 = in(reg) t,
-                t1 = in(reg) t.add(16),
-                t2 = in(reg) t_low,
-                t3 = in(reg) t_low.add(16),
-                stride = in(reg) TILE_ROW_BYTES,
-                options(nostack, preserves_flags),
-            );
+            store_quarters(t, TILE_ROW_BYTES);
         }
     }
 }
