@@ -19,9 +19,9 @@
 //!   products with at most 64 rows of A and both operands contiguous along `k` (a Linear's forward on
 //!   a small batch) skip the packing on the `vdpbf16ps` path: each element is a dot product of a row and
 //!   a column where they lie. On AMX, a single product (or a batch) of at most 64 rows whose B is bf16
-//!   contiguous along `k`, `k` at least 32 and nothing skipped, reads B once, mostly where it lies (a
-//!   zero-padded copy of a block where `k` is not a multiple of 32 or at C's last columns), its tiles
-//!   computing `C^T = B^T·A^T` with the packed path's sums.
+//!   contiguous along `k`, `k` and `n` at least 32 and nothing skipped, reads B once where it lies (the
+//!   last `k % 32` through a zero-padded tile), its tiles computing `C^T = B^T·A^T` with the packed
+//!   path's sums.
 //!   Every element of C is summed in the same order whatever the thread count, so results are
 //!   deterministic.
 //!
