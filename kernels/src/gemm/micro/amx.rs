@@ -1,6 +1,8 @@
 //! The AMX micro-kernel: a 32 x 32 tile of C in four 16 x 16 f32 tile registers, `tdpbf16ps` on two
 //! A tiles (16 lines x 16 bf16 pairs, one group of the A panel: 1 KiB, rows 64 bytes apart) and two B
-//! tiles (16 steps x 16 columns of pairs from the step-major B panel, rows 128 bytes apart).
+//! tiles (16 steps x 16 columns of pairs from the step-major B panel, rows 128 bytes apart). For
+//! products of few rows it also computes tiles of `C^T` ([`TransposedTile`]), whose A tiles are 16 rows
+//! of a Linear's weight read where they lie (rows `ldw` values apart).
 //!
 //! The tile instructions have no stable intrinsics yet, so they are written as inline assembly. Tile
 //! registers are never allocated by the compiler, so they keep their values between the `asm!` blocks of
