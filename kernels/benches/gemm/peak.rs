@@ -14,6 +14,8 @@ pub struct Peaks {
     /// The ymm FMA beside the zmm one, where the widest is zmm (candle's f32 kernels are ymm).
     ymm: Vec<f64>,
     tile: Vec<f64>,
+    /// The AMX kernel's 2 x 2 step on operands in L1 ([`PeakLoop::TileStepAmx`]).
+    tile_step: Vec<f64>,
 }
 
 /// Which peak bounds a contender.
@@ -60,6 +62,9 @@ impl Peaks {
         if let Some(g) = on_two_threads(PeakLoop::TileAmx) {
             self.tile.push(g);
         }
+        if let Some(g) = on_two_threads(PeakLoop::TileStepAmx) {
+            self.tile_step.push(g);
+        }
     }
 
     /// Adds `other`'s samples to these.
@@ -68,6 +73,7 @@ impl Peaks {
         self.fma.extend(&other.fma);
         self.ymm.extend(&other.ymm);
         self.tile.extend(&other.tile);
+        self.tile_step.extend(&other.tile_step);
     }
 
     /// The median of `peak`'s samples (GFLOP/s), if the CPU has it.
@@ -82,6 +88,11 @@ impl Peaks {
     /// Median `vdpbf16ps` peak (GFLOP/s), if the CPU has the instruction.
     pub fn bf16(&self) -> Option<f64> {
         (!self.bf16.is_empty()).then(|| median(&self.bf16))
+    }
+
+    /// Median rate of the AMX kernel's 2 x 2 step on operands in L1 (GFLOP/s), if the CPU has AMX.
+    pub fn tile_step(&self) -> Option<f64> {
+        (!self.tile_step.is_empty()).then(|| median(&self.tile_step))
     }
 
     /// Median f32 FMA peak of the widest vectors the CPU has (GFLOP/s).
@@ -115,6 +126,12 @@ impl fmt::Display for Peaks {
         if !self.ymm.is_empty() {
             write!(f, " (ymm FMA {:.0} GFLOP/s)", median(&self.ymm))?;
         }
+        if let Some(step) = self.tile_step() {
+            write!(
+                f,
+                "; the AMX kernel's 2 x 2 tile step (4 tile loads, 4 tdpbf16ps) from L1 {step:.0} GFLOP/s"
+            )?;
+        }
         Ok(())
     }
 }
@@ -122,7 +139,7 @@ impl fmt::Display for Peaks {
 /// GFLOP/s of `kind` run on two threads at once, or `None` where the CPU lacks it.
 fn on_two_threads(kind: PeakLoop) -> Option<f64> {
     // The tile loop does 1/6 as many instructions per iteration, each 16 cycles or more.
-    let iters = if kind == PeakLoop::TileAmx { ITERS / 16 } else { ITERS };
+    let iters = if kind.isa() == amp_kernels::Isa::AmxBf16 { ITERS / 16 } else { ITERS };
     kind.seconds(iters / 100)?; // warm up
     let start = Instant::now();
     rayon::join(|| kind.seconds(iters), || kind.seconds(iters));

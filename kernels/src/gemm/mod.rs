@@ -61,7 +61,7 @@ pub use calibrate::{dot_product_speedup, PeakLoop, DOT_PAYS};
 pub use dpbf16::{dpbf16_lane, dpbf16_pair, tdpbf16_pair};
 pub use layout::{Dims, GemmError, Groups, MatMut, MatRef, Placement, Triangle};
 #[cfg(target_arch = "x86_64")]
-pub(crate) use micro::tile_peak_loop;
+pub(crate) use micro::{tile_peak_loop, tile_step_loop};
 pub use path::{Compute, GemmPath};
 
 /// `C = start + A·B` on the fastest path this CPU has for `compute` ([`GemmPath::choose`]): `start` is

@@ -295,3 +295,35 @@ pub(crate) unsafe fn peak_loop(iters: usize) {
     }
     amx.end();
 }
+
+/// Two A and two B tiles of ones, each 16 rows of 64 bytes, on cache lines: 4 KiB that stay in L1.
+#[repr(C, align(64))]
+struct StepTiles([u16; 2048]);
+
+static STEP_TILES: StepTiles = StepTiles([0x3F80; 2048]);
+
+/// `iters` steps of the 2 x 2 tile loop on operands in L1: the four tile loads and four `tdpbf16ps` of
+/// one group of the kernel ([`products`]), again and again.
+///
+/// # Safety
+/// [`Isa::AmxBf16`] must be supported.
+pub(crate) unsafe fn step_loop(iters: usize) {
+    let amx = TileAmx(());
+    amx.begin();
+    let base = STEP_TILES.0.as_ptr().cast::<u8>();
+    // SAFETY: tiles configured by `begin`; each tile load reads 16 rows of 64 bytes inside the 4 KiB
+    // (A at 0 and 1 KiB with rows 64 bytes apart; B at 2 KiB and 64 bytes on, rows 128 bytes apart).
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem, preserves_flags)
+        );
+        for _ in 0..iters {
+            products((base, base.add(1024), A_ROW_BYTES), base.add(2048).cast());
+        }
+    }
+    amx.end();
+}

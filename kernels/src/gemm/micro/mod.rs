@@ -20,7 +20,7 @@ mod portable;
 mod x86;
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use amx::{peak_loop as tile_peak_loop, TileAmx};
+pub(crate) use amx::{peak_loop as tile_peak_loop, step_loop as tile_step_loop, TileAmx};
 pub(crate) use portable::{DotModel, FmaPortable, FmaWideModel, TileModel};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{DotAvx512Bf16, FmaAvx2, FmaAvx512};
