@@ -53,8 +53,8 @@ pub enum PeakLoop {
     TileAmx,
     /// The AMX kernel's step on operands that stay in L1: two A and two B tiles loaded and the four
     /// `tdpbf16ps` they feed, per iteration. Not an instruction's peak but the bound of a 2 x 2 tile
-    /// loop: on the Xeon measured, a tile load waits for every earlier product that reads its register
-    /// to finish, so the loads add to the products' time rather than overlap it.
+    /// loop: a tile load waits for the earlier products that read its register, so on the Xeon
+    /// measured most of the loads' time adds to the products' (80% of the instruction's peak).
     TileStepAmx,
 }
 
