@@ -7,7 +7,10 @@
 //! operand's dtype, with `dC` rounded to the compute precision as the forward's operands were; the
 //! gradients of variables go to [`crate::gradient_sink`] when amp runs the backward pass.
 
-use amp_kernels::gemm::{gemm_new, Compute, Dims, GemmPath, MatRef, NewOutput, OutputType};
+use amp_kernels::gemm::{
+    gemm_new, gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, NewOutput, OutputType, Start,
+};
+use amp_kernels::GradSliceMut;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -423,11 +426,47 @@ impl CustomOp3 for LinearOp {
         let dx = needs_gradient(x)
             .then(|| grad.apply_op2_no_bwd(w_read, &self.gemm.backward(x.dtype()))?.reshape(x.dims()))
             .transpose()?;
-        let dw = needs_gradient(w)
+        let added = match gradient_sink::sum_for(w) {
+            Some(sum) if needs_gradient(w) => self.add_weight_gradient(&grad, &x_rows, &sum)?,
+            _ => false,
+        };
+        let dw = (needs_gradient(w) && !added)
             .then(|| grad.t()?.apply_op2_no_bwd(&x_rows, &self.gemm.backward(w.dtype())))
             .transpose()?;
         let db = needs_gradient(bias).then(|| super::column_sums::column_sums(&grad)).transpose()?;
         Ok((deposit(x, dx)?, deposit(w, dw)?, deposit(bias, db)?))
+    }
+}
+
+impl LinearOp {
+    /// `sum += grad^T x_rows`, the weight's gradient added by the GEMM into the running sum the pass
+    /// was given for it (`C += A·B`: the sum is C's start), when the operands allow it: an f32 sum of
+    /// the weight's shape and contiguous operands on the CPU. Returns whether it was added.
+    fn add_weight_gradient(&self, grad: &Tensor, x_rows: &Tensor, sum: &Tensor) -> Result<bool> {
+        let (rows, outputs) = grad.dims2()?;
+        let inputs = x_rows.dim(1)?;
+        let fits = sum.dtype() == DType::F32
+            && sum.dims() == [outputs, inputs]
+            && [grad, x_rows, sum].iter().all(|t| t.device().is_cpu() && t.is_contiguous());
+        if !fits {
+            return Ok(false);
+        }
+        let (path, compute) = (self.gemm.path, self.gemm.compute);
+        let added = crate::storage::with_slices(&[grad, x_rows], |operands| {
+            // dY^T: dY's rows read as columns.
+            let dy_t = MatRef { data: operands[0], row_stride: 1, col_stride: outputs, batch_stride: 0 };
+            let x = MatRef::row_major(operands[1], inputs);
+            crate::storage::with_all_mut(&[sum], |sums| match &mut sums[0] {
+                GradSliceMut::F32(c) => {
+                    let c = MatMut::row_major(&mut c[..], inputs);
+                    gemm_with(path, Dims::new(outputs, inputs, rows), dy_t, x, c, compute, Start::Output)
+                        .map_err(candle_core::Error::wrap)
+                }
+                _ => Err(candle_core::Error::Msg("amp-linear: a gradient sum that is not f32".into())),
+            })
+        });
+        added.map_err(candle_core::Error::wrap)?.map_err(candle_core::Error::wrap)??;
+        Ok(true)
     }
 }
 

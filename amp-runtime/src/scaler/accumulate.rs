@@ -111,6 +111,20 @@ impl GradAccumulator {
         self.sums.as_ref().map(|sums| (sums, self.loss_finite))
     }
 
+    /// The sums a micro-batch's pass may add gradients into in place ([`gradient_sink::backward_adding`]):
+    /// those on the CPU, f32 and contiguous (all of them after the first micro-batch, on a CPU), keyed
+    /// by the variable they sum the gradients of.
+    ///
+    /// [`gradient_sink::backward_adding`]: crate::gradient_sink::backward_adding
+    fn running_sums(&self) -> crate::gradient_sink::Sums {
+        let Some(sums) = &self.sums else { return Default::default() };
+        sums.get_ids()
+            .filter_map(|&id| sums.get_id(id).map(|sum| (id, sum)))
+            .filter(|(_, sum)| sum.device().is_cpu() && sum.dtype() == DType::F32 && sum.is_contiguous())
+            .map(|(id, sum)| (id, sum.clone()))
+            .collect()
+    }
+
     /// Bytes the sums hold.
     pub fn bytes(&self) -> usize {
         let Some(sums) = &self.sums else { return 0 };
@@ -236,6 +250,8 @@ impl GradScaler {
     /// Backpropagates one micro-batch's loss at the current loss scale and adds the gradients of
     /// `model`'s parameters, widened to f32, into `accumulator`, keyed by their fp32 masters (variables
     /// outside `model` are not kept: give the model that holds every parameter the optimizer updates).
+    /// On the CPU, once a parameter has a sum, amp's `Linear` adds its weight's gradient into that sum
+    /// inside the product, without writing the gradient first.
     /// Divide each micro-batch's loss by the number of micro-batches when the step should see the mean
     /// over the whole batch, as a single batch's mean loss would give. Nothing is stepped and the scale
     /// does not move: call [`step_fused_accumulated`](Self::step_fused_accumulated) (or
@@ -261,8 +277,19 @@ impl GradScaler {
             return Err(interrupted);
         }
         let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
-        let mut grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
-        crate::grads_to_masters(model, &mut grads)?;
+        // The sums so far, given to the pass: amp's Linear adds its weight's gradient into its sum
+        // in the product itself. An error after that leaves sums partly added: the window is emptied.
+        let passed =
+            crate::gradient_sink::backward_adding(&self.scale_loss(loss)?, accumulator.running_sums())
+                .map_err(Error::from)
+                .and_then(|mut grads| crate::grads_to_masters(model, &mut grads).map(|()| grads));
+        let grads = match passed {
+            Ok(grads) => grads,
+            Err(e) => {
+                *accumulator = GradAccumulator::default();
+                return Err(e);
+            }
+        };
         // The masters, each once: a variable shared by two layers (tied weights) is summed once.
         let mut masters = Vec::new();
         crate::module::for_each_unique_param(model, |_, _, _, param| {
