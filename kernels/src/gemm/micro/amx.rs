@@ -141,13 +141,7 @@ impl TileAmx {
                     zero = in(reg) 0usize,
                     options(nostack, readonly, preserves_flags),
                 ),
-                Start::Zero => asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    options(nostack, nomem, preserves_flags)
-                ),
+                Start::Zero => zero_quarters(),
             }
             for group in 0..steps / GROUP {
                 let a0 = a.add(group * GROUP * AMX_32X32.mr);
@@ -156,6 +150,24 @@ impl TileAmx {
             }
             store_quarters(c, c_row_bytes);
         }
+    }
+}
+
+/// Zeroes tmm0..tmm3, the four quarters of C.
+///
+/// # Safety
+/// The tiles are configured on this thread.
+#[inline(always)]
+unsafe fn zero_quarters() {
+    // SAFETY: as the caller guarantees; only tile registers are touched.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem, preserves_flags)
+        );
     }
 }
 
@@ -272,11 +284,8 @@ pub(crate) unsafe fn peak_loop(iters: usize) {
     amx.begin();
     // SAFETY: tiles configured by `begin`; only tile registers are touched.
     unsafe {
+        zero_quarters();
         asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
             "tilezero tmm4",
             "tilezero tmm5",
             "tilezero tmm6",
@@ -314,13 +323,7 @@ pub(crate) unsafe fn step_loop(iters: usize) {
     // SAFETY: tiles configured by `begin`; each tile load reads 16 rows of 64 bytes inside the 4 KiB
     // (A at 0 and 1 KiB with rows 64 bytes apart; B at 2 KiB and 64 bytes on, rows 128 bytes apart).
     unsafe {
-        asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            options(nostack, nomem, preserves_flags)
-        );
+        zero_quarters();
         for _ in 0..iters {
             products((base, base.add(1024), A_ROW_BYTES), base.add(2048).cast());
         }
