@@ -275,7 +275,8 @@ mod tests {
     /// Given running sums, the pass leaves no gradient in the store for a weight that only amp's
     /// Linears use (both of them added into its sum), gives back the other variables' gradients bit for
     /// bit, and the sum holds its start plus the weight's gradient (within f32's rounding of the terms'
-    /// order), on every kernel this CPU runs; outside such a pass nothing is added.
+    /// order), on every kernel this CPU runs; outside such a pass nothing is added, and a half weight's
+    /// gradient is never added (it is rounded to half first).
     #[test]
     fn a_linear_adds_its_weights_gradient_into_the_sum_it_is_given() -> Result<()> {
         let dev = Device::Cpu;
@@ -315,6 +316,16 @@ mod tests {
                 assert!(grads.get(w.as_tensor()).is_some(), "{path}: w's gradient returned");
                 assert_eq!(sum.flatten_all()?.to_vec1::<f32>()?, after, "{path}: a sum written afterwards");
                 assert!(super::sum_for(w.as_tensor()).is_none());
+                // A half weight's gradient is rounded to half (as its route asks), not added into the
+                // sum in f32: it comes back in the store and the sum stays as it was.
+                let w16 = Var::from_tensor(&w.as_tensor().to_dtype(DType::BF16)?)?;
+                let half_loss = ops::linear(&x, &w16, None, Precision::Bf16)?.sqr()?.sum_all()?;
+                let sum = Tensor::zeros((3, 3), DType::F32, &dev)?;
+                let grads =
+                    super::backward_adding(&half_loss, [(w16.id(), sum.clone())].into_iter().collect())?;
+                let g = grads.get(w16.as_tensor()).expect("a half weight's gradient in the store");
+                assert_eq!(g.dtype(), DType::BF16, "{path}");
+                assert_eq!(sum.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0, "{path}: a half gradient added");
                 Ok(())
             })
             .expect("a supported path")?;

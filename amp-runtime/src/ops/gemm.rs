@@ -426,8 +426,12 @@ impl CustomOp3 for LinearOp {
         let dx = needs_gradient(x)
             .then(|| grad.apply_op2_no_bwd(w_read, &self.gemm.backward(x.dtype()))?.reshape(x.dims()))
             .transpose()?;
+        // Added into a running sum only where the gradient would be f32 anyway (a half weight's is
+        // rounded to half first: `GradientRoute::Working`, sharded masters).
         let added = match gradient_sink::sum_for(w) {
-            Some(sum) if needs_gradient(w) => self.add_weight_gradient(&grad, &x_rows, &sum)?,
+            Some(sum) if needs_gradient(w) && w.dtype() == DType::F32 => {
+                self.add_weight_gradient(&grad, &x_rows, &sum)?
+            }
             _ => false,
         };
         let dw = (needs_gradient(w) && !added)
