@@ -250,8 +250,8 @@ impl GradScaler {
     /// Backpropagates one micro-batch's loss at the current loss scale and adds the gradients of
     /// `model`'s parameters, widened to f32, into `accumulator`, keyed by their fp32 masters (variables
     /// outside `model` are not kept: give the model that holds every parameter the optimizer updates).
-    /// On the CPU, once a parameter has a sum, amp's `Linear` adds its weight's gradient into that sum
-    /// inside the product, without writing the gradient first.
+    /// On the CPU, once a parameter has a sum, amp's `Linear` adds an f32 weight's gradient into that
+    /// sum inside the product, without writing the gradient first.
     /// Divide each micro-batch's loss by the number of micro-batches when the step should see the mean
     /// over the whole batch, as a single batch's mean loss would give. Nothing is stepped and the scale
     /// does not move: call [`step_fused_accumulated`](Self::step_fused_accumulated) (or
