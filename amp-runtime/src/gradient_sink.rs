@@ -14,8 +14,8 @@
 //! overflow check reads only the others (`GradScaler::step_fused`; on the MLP bench the check's pass
 //! over every weight gradient was 3% of a bf16 step's samples).
 //!
-//! A pass can also be given running sums ([`backward_adding`]: gradient accumulation's f32 sums), into
-//! which the ops that can add a variable's gradient themselves: amp's Linear adds its weight's gradient
+//! A pass can also be given running sums ([`backward_adding`]: gradient accumulation's f32 sums). An op
+//! that can adds a variable's gradient into its sum itself: amp's Linear runs an f32 weight's gradient
 //! product into the sum (`C += A·B`, [`sum_for`]), where the gradient would otherwise be written, read
 //! back and added (two passes over each weight, and one more write).
 
