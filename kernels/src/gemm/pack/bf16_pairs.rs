@@ -12,11 +12,16 @@ fn pair<S: Source>(even: S, odd: S) -> u32 {
     u32::from(even.bf16_bits()) | u32::from(odd.bf16_bits()) << 16
 }
 
+/// Values [`pairs_from_run`] converts as one block of known length.
+const BLOCK: usize = 16;
+
 /// The bf16 bits of a run of consecutive `k` as pairs (`k = 2s` in the low half of word `s`, as [`pair`]
 /// makes them), into `out` (`run.len() <= 2 * out.len()`); halves past the run (an odd last `k`'s
-/// partner) are zero. The words are written as 16-bit halves in the run's order, one loop that
-/// vectorises (a plain copy for a bf16 run); on a little-endian target that order is already the
-/// pairs', a big-endian one swaps each word's halves after.
+/// partner) are zero. The words are written as 16-bit halves in the run's order, in blocks of 16
+/// values: a block of known length is one vector operation per step of the rounding, where a loop
+/// over a short run (32 values: a group of an AMX panel) ran its 8-wide remainder loop (a plain copy
+/// for a bf16 run); on a little-endian target that order is already the pairs', a big-endian one swaps
+/// each word's halves after.
 #[inline(always)]
 fn pairs_from_run<S: Source>(run: &[S], out: &mut [u32]) {
     debug_assert!(run.len() <= 2 * out.len());
@@ -24,10 +29,18 @@ fn pairs_from_run<S: Source>(run: &[S], out: &mut [u32]) {
     // pattern is valid for both.
     let halves = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u16>(), 2 * out.len()) };
     let (data, rest) = halves.split_at_mut(run.len());
-    for (half, &x) in data.iter_mut().zip(run) {
+    let (blocks, tail) = run.as_chunks::<BLOCK>();
+    let (block_halves, tail_halves) = data.split_at_mut(blocks.len() * BLOCK);
+    for (halves, block) in block_halves.as_chunks_mut::<BLOCK>().0.iter_mut().zip(blocks) {
+        *halves = block.map(S::bf16_bits);
+    }
+    for (half, &x) in tail_halves.iter_mut().zip(tail) {
         *half = x.bf16_bits();
     }
-    rest.fill(0);
+    // An odd run's last partner: a store, where `fill` calls `memset` even for nothing.
+    for half in rest {
+        *half = 0;
+    }
     if cfg!(target_endian = "big") {
         for word in out.iter_mut() {
             *word = word.rotate_left(16);

@@ -16,13 +16,12 @@ pub(super) fn pack_grouped<S: Source, P: PackInto>(
 ) {
     debug_assert_eq!((dst.len(), lines.steps % group), (lines.steps * width, 0));
     let data_steps = lines.k.div_ceil(P::K_PER_STEP);
-    // For the lines-contiguous case below: declared once, not zeroed again for every group.
-    let mut tile = [[P::default(); MAX_WIDTH]; MAX_GROUP];
-    for (g, block) in dst.chunks_exact_mut(width * group).enumerate() {
-        let first = g * group;
-        let present = data_steps.saturating_sub(first).min(group);
-        if lines.k_stride == 1 {
-            // k contiguous: each line's part of the group is one run of the source.
+    // The steps of group `g` that hold data.
+    let present = |g: usize| data_steps.saturating_sub(g * group).min(group);
+    if lines.k_stride == 1 {
+        // k contiguous: each line's part of the group is one run of the source.
+        for (g, block) in dst.chunks_exact_mut(width * group).enumerate() {
+            let (first, present) = (g * group, present(g));
             let (k0, k1) = (first * P::K_PER_STEP, ((first + present) * P::K_PER_STEP).min(lines.k));
             for (l, line) in block.chunks_exact_mut(group).enumerate() {
                 let (data, padding) = line.split_at_mut(if l < lines.count { present } else { 0 });
@@ -30,11 +29,19 @@ pub(super) fn pack_grouped<S: Source, P: PackInto>(
                     let at = lines.base + l * lines.line_stride;
                     P::from_run(&src[at + k0..at + k1], compute, data);
                 }
-                padding.fill(P::default());
+                // Stores: `fill` calls `memset`, even for nothing (most lines have no padding).
+                for word in padding {
+                    *word = P::default();
+                }
             }
-        } else if lines.line_stride == 1 && width <= MAX_WIDTH && group <= MAX_GROUP {
-            // Lines contiguous: each step's lines one run of the source, converted into a row of a tile
-            // (contiguous: vectorises), then the tile transposed into the group line by line.
+        }
+    } else if lines.line_stride == 1 && width <= MAX_WIDTH && group <= MAX_GROUP {
+        // Lines contiguous: each step's lines one run of the source, converted into a row of a tile
+        // (contiguous: vectorises), then the tile transposed into the group line by line. The tile is
+        // declared (zeroed) once per panel, here only: zeroing it cost as much as packing an A panel.
+        let mut tile = [[P::default(); MAX_WIDTH]; MAX_GROUP];
+        for (g, block) in dst.chunks_exact_mut(width * group).enumerate() {
+            let (first, present) = (g * group, present(g));
             block.fill(P::default());
             for (i, row) in tile[..present].iter_mut().enumerate() {
                 P::across_lines(src, first + i, lines, compute, &mut row[..lines.count], 1);
@@ -44,17 +51,19 @@ pub(super) fn pack_grouped<S: Source, P: PackInto>(
                     *out = row[l];
                 }
             }
-        } else if lines.line_stride == 1 {
+        }
+    } else {
+        for (g, block) in dst.chunks_exact_mut(width * group).enumerate() {
+            let (first, present) = (g * group, present(g));
             block.fill(P::default());
             for i in 0..present {
-                P::across_lines(src, first + i, lines, compute, &mut block[i..], group);
-            }
-        } else {
-            block.fill(P::default());
-            for i in 0..present {
-                for l in 0..lines.count {
-                    let at = lines.base + l * lines.line_stride;
-                    block[l * group + i] = P::step(src, at, first + i, lines, compute);
+                if lines.line_stride == 1 {
+                    P::across_lines(src, first + i, lines, compute, &mut block[i..], group);
+                } else {
+                    for l in 0..lines.count {
+                        let at = lines.base + l * lines.line_stride;
+                        block[l * group + i] = P::step(src, at, first + i, lines, compute);
+                    }
                 }
             }
         }

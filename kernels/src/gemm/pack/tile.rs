@@ -1,10 +1,19 @@
 //! Panels whose lines hold their steps contiguously (`k` contiguous), packed through a tile or
 //! transposed from where they lie.
 
+use std::cell::Cell;
+
 use super::{Lines, PackInto, Source, CHUNK, MAX_WIDTH};
 use crate::gemm::row_load::Load;
 use crate::gemm::transpose::{transpose, transpose_rows};
 use crate::gemm::Compute;
+
+thread_local! {
+    /// The tile [`through_tile`] converts lines into, kept per thread (words of `P`). One on the stack
+    /// was zeroed for every panel, 8 KiB for a 32-line one: as many bytes as an AMX B panel of 64 `k`
+    /// holds, and 2% of the samples of attention's `q k^T` in cache (its `memset` calls).
+    static TILE: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
+}
 
 /// Packs a panel whose lines each hold their steps contiguously (`k` contiguous), a block of [`CHUNK`]
 /// steps at a time: each line's run of the block is converted into a row of a tile (a run, so its loop
@@ -50,7 +59,16 @@ fn through_tile_of<S: Source, P: PackInto, const W: usize>(
                 || ((lines.line_stride * element).is_multiple_of(4)
                     && (src.as_ptr() as usize + lines.base * element).is_multiple_of(4)))
     });
-    let mut tile = [[P::default(); CHUNK]; W];
+    let mut words = TILE.take();
+    if words.len() < CHUNK * W {
+        words.resize(CHUNK * MAX_WIDTH, 0);
+    }
+    let tile = P::from_words(&mut words[..CHUNK * W]).as_chunks_mut::<CHUNK>().0;
+    // Rows past the panel's lines read as zero (`transpose`'s contract); an earlier panel may have left
+    // its values there. The rows of the panel's lines are written, for the steps read, before each block.
+    for row in &mut tile[lines.count..] {
+        row.fill(P::default());
+    }
     for (c, block) in data.chunks_mut(CHUNK * width).enumerate() {
         let steps = block.len() / width;
         let k0 = c * CHUNK * P::K_PER_STEP;
@@ -70,6 +88,48 @@ fn through_tile_of<S: Source, P: PackInto, const W: usize>(
             let run = &src[lines.base + l * lines.line_stride + k0..][..run_len];
             P::from_run(run, compute, &mut row[..steps]);
         }
-        transpose(&tile, lines.count, steps, width, block);
+        transpose(tile, lines.count, steps, width, block);
+    }
+    TILE.set(words);
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::gemm::pack::{Lines, PackInto, Source};
+    use crate::gemm::Compute;
+
+    #[test]
+    fn a_panel_of_fewer_lines_than_the_one_before_still_has_zero_lines_past_its_own() {
+        // On one thread, so both panels go through the same kept tile: 32 full lines, then 5 of them.
+        let k = 40;
+        let src: Vec<f32> = (0..32 * k).map(|x| x as f32 + 1.0).collect();
+        let full = Lines { base: 0, line_stride: k, k_stride: 1, count: 32, k, steps: k };
+        for (count, width) in [(32, 32), (5, 32), (32, 16), (3, 16)] {
+            let lines = Lines { count, ..full };
+            for compute in [Compute::F32, Compute::Bf16] {
+                let mut dst = vec![f32::NAN; k * width];
+                f32::pack(&src, Lines { count: count.min(width), ..lines }, width, compute, &mut dst);
+                for (s, step) in dst.chunks_exact(width).enumerate() {
+                    for (l, &x) in step.iter().enumerate() {
+                        let want = if l < count { src[l * k + s].rounded(compute) } else { 0.0 };
+                        assert_eq!(x, want, "count {count} width {width} step {s} line {l} {compute:?}");
+                    }
+                }
+                let mut pairs = vec![u32::MAX; k / 2 * width];
+                let pair_lines = Lines { count: count.min(width), steps: k / 2, ..lines };
+                u32::pack(&src, pair_lines, width, compute, &mut pairs);
+                for (s, step) in pairs.chunks_exact(width).enumerate() {
+                    for (l, &x) in step.iter().enumerate() {
+                        let bits = |x: f32| u32::from(half::bf16::from_f32(x).to_bits());
+                        let want = if l < count {
+                            bits(src[l * k + 2 * s]) | bits(src[l * k + 2 * s + 1]) << 16
+                        } else {
+                            0
+                        };
+                        assert_eq!(x, want, "pairs: count {count} width {width} step {s} line {l}");
+                    }
+                }
+            }
+        }
     }
 }
