@@ -51,10 +51,11 @@ use trainer::{config_for, run_name, train_runs, SeedData};
 const SEED: u64 = 2026;
 
 fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    // candle's elementwise ops on the calling thread: its own pool's idle workers spin on the cores
-    // amp's GEMM needs (see `amp::threads`; 14-25% shorter steps for fp32, bf16 and fp16 alike). First
-    // thing, before candle's first op; an explicit CANDLE_NUM_THREADS wins.
-    let candle_threads = amp::threads::single_candle_thread();
+    // candle's pool parks its idle workers after a few spins instead of a millisecond's, during which
+    // they held the cores amp's GEMM needs (see `amp::threads`: steps 3-6% shorter than with candle's
+    // ops on this thread alone, 14-25% than with its default pool). First thing, before candle's first
+    // op; an explicit CANDLE_BARRIER_POOL_SPIN_LIMIT wins.
+    let candle_threads = amp::threads::candle_pool_that_parks();
     // Freed buffers stay in the process for the next step's ops (see `amp::memory`).
     amp::memory::retain_freed_memory();
     let mut args = <Args as clap::Parser>::parse();

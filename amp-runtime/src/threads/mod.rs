@@ -6,16 +6,21 @@
 //! on a CPU whose `pause` takes ~140 cycles (Intel since Skylake-SP) about a millisecond, during which
 //! it holds a core the GEMM's threads wait for. A training step runs a candle op every few hundred
 //! microseconds, so the worker hardly ever parks: on 2 cores `perf` put 18% of the bf16 MLP step's
-//! samples in that loop (with candle's ReLUs, before they were fused). [`single_candle_thread`] runs
-//! candle's ops on the calling thread alone, so the cores stay with rayon's pool.
+//! samples in that loop (with candle's ReLUs, before they were fused). Two remedies:
+//! [`candle_pool_that_parks`] keeps candle's pool but has its workers park after [`PARKING_SPINS`]
+//! spins, and [`single_candle_thread`] runs candle's ops on the calling thread alone.
 //!
-//! Measured on the main job (`cargo run --release --example train`, 2 cores), which calls it first
-//! thing: 14-25% shorter steps for fp32, bf16 and fp16 alike against candle's default pool (2026-12-03);
-//! against candle's pool told to park after 1000 spins (`CANDLE_BARRIER_POOL_SPIN_LIMIT=1000`), bf16
-//! 7.0-7.5 k tokens/s against 5.6-6.4 k, fp32 within 5% (2026-12-04, alternated). Where amp's fused
-//! ops leave few candle ops in a step (the MLP bench, `cargo bench --bench mlp_step`) it makes no
-//! difference to amp's runs, and it slows a model that leans on candle's own ops (the bench's candle
-//! matmul run: 63 -> 77 ms), so that bench leaves candle's pool alone.
+//! Measured on the main job (`cargo run --release --example train`, 2 cores). Against candle's default
+//! pool, one candle thread made the steps 14-25% shorter for fp32, bf16 and fp16 alike (2026-12-03),
+//! and on 2026-12-04 beat a pool told to park after 1000 spins (bf16 7.0-7.5 k tokens/s against
+//! 5.6-6.4 k, fp32 within 5%): candle ran many of the step's ops then. Since amp's ops took over all
+//! but candle's backward pass (its zero fills and adds of the activations' gradients: about a tenth of
+//! a step), the parking pool wins, as those adds run on both cores: on a Xeon (AMX), 2026-12-06, the
+//! two alternated, three pairs of runs, fp32 steps 0.96-0.97x the time, bf16 0.94-0.95x, fp16
+//! 0.96-0.97x (1, 100 and 1000 spins alike, 5000 between; the main job calls it first thing). Where
+//! amp's fused ops leave few candle ops in a step (the MLP bench, `cargo bench --bench mlp_step`)
+//! neither makes a difference to amp's runs, and one thread slows a model that leans on candle's own
+//! ops (the bench's candle matmul run: 63 -> 77 ms), so that bench leaves candle's pool alone.
 //!
 //! [`run_on_rayon_pool`] runs a training loop on a thread of a rayon pool. Each parallel op called from
 //! outside the pool (from `main`) hands its whole work to the pool's threads and sleeps until they are
@@ -34,15 +39,35 @@ mod helpers;
 /// candle's variable for the size of its pool (read once, when the pool starts).
 pub const CANDLE_THREADS_VARIABLE: &str = "CANDLE_NUM_THREADS";
 
-/// What [`single_candle_thread`] did.
+/// candle's variable for the `pause` spins its pool's idle workers make before they park (read once,
+/// when the pool starts; 25 000 unless set).
+pub const CANDLE_SPIN_VARIABLE: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+
+/// The spins [`candle_pool_that_parks`] sets: about 5 us of `pause` on an Intel core since Skylake-SP,
+/// 2-3 us on a Zen. Enough to catch the next of a run of candle ops, short against the gaps between
+/// them in a training step (amp's ops between; 1 to 1000 spins measured alike on the main job).
+pub const PARKING_SPINS: u32 = 100;
+
+/// What [`single_candle_thread`] or [`candle_pool_that_parks`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CandleThreads {
     /// candle's ops will run on the calling thread alone.
     Single,
+    /// candle's pool keeps its threads, which park after this many spins without work.
+    Parking {
+        /// The spins before a worker parks.
+        spins: u32,
+    },
     /// The user had set the variable already; their value stays.
-    LeftAsSet(String),
+    LeftAsSet {
+        /// The variable ([`CANDLE_THREADS_VARIABLE`] or [`CANDLE_SPIN_VARIABLE`]).
+        variable: &'static str,
+        /// Its value.
+        value: String,
+    },
     /// candle's pool was already running, so the variable would not be read; nothing was changed.
-    /// Call [`single_candle_thread`] first thing in `main`, before any tensor op.
+    /// Call [`single_candle_thread`] or [`candle_pool_that_parks`] first thing in `main`, before any
+    /// tensor op.
     PoolAlreadyStarted,
 }
 
@@ -52,9 +77,15 @@ impl std::fmt::Display for CandleThreads {
             Self::Single => {
                 write!(f, "candle's elementwise ops on the calling thread, the cores left to rayon")
             }
-            Self::LeftAsSet(v) => write!(f, "{CANDLE_THREADS_VARIABLE}={v} (set by the user, kept)"),
+            Self::Parking { spins } => {
+                write!(f, "candle's pool parks its idle threads after {spins} spins ({CANDLE_SPIN_VARIABLE})")
+            }
+            Self::LeftAsSet { variable, value } => write!(f, "{variable}={value} (set by the user, kept)"),
             Self::PoolAlreadyStarted => {
-                write!(f, "candle's thread pool had started: left as it is (call single_candle_thread first in main)")
+                write!(
+                    f,
+                    "candle's thread pool had started: left as it is (set its threads up first in main)"
+                )
             }
         }
     }
@@ -65,16 +96,35 @@ impl std::fmt::Display for CandleThreads {
 /// set it; it must run before candle's pool starts (its first multi-threaded op) and, since it changes
 /// the environment, before the program starts threads of its own: call it first thing in `main`.
 /// Where the pool has started already (detected on Linux by its threads' names) nothing changes and
-/// the result says so.
+/// the result says so. A model whose step runs candle's ops back to back does better with
+/// [`candle_pool_that_parks`] (see the module's notes).
 pub fn single_candle_thread() -> CandleThreads {
-    if let Ok(value) = std::env::var(CANDLE_THREADS_VARIABLE) {
-        return CandleThreads::LeftAsSet(value);
+    set_before_the_pool(CANDLE_THREADS_VARIABLE, "1", CandleThreads::Single)
+}
+
+/// Keeps candle's pool, so that its ops (the zero fills and adds of its backward pass) run on every
+/// core, but has its idle workers park after [`PARKING_SPINS`] spins instead of 25 000, so that they
+/// leave the cores to amp's GEMM between candle's ops. Sets [`CANDLE_SPIN_VARIABLE`] unless the user
+/// set it; as [`single_candle_thread`], call it first thing in `main`, before candle's pool starts
+/// (where it has, nothing changes and the result says so).
+pub fn candle_pool_that_parks() -> CandleThreads {
+    set_before_the_pool(
+        CANDLE_SPIN_VARIABLE,
+        &PARKING_SPINS.to_string(),
+        CandleThreads::Parking { spins: PARKING_SPINS },
+    )
+}
+
+/// Sets candle's `variable` to `value` and returns `done`, unless the user set it or candle's pool runs.
+fn set_before_the_pool(variable: &'static str, value: &str, done: CandleThreads) -> CandleThreads {
+    if let Ok(value) = std::env::var(variable) {
+        return CandleThreads::LeftAsSet { variable, value };
     }
     if candle_pool_running() {
         return CandleThreads::PoolAlreadyStarted;
     }
-    std::env::set_var(CANDLE_THREADS_VARIABLE, "1");
-    CandleThreads::Single
+    std::env::set_var(variable, value);
+    done
 }
 
 /// Stack of each thread of [`run_on_rayon_pool`]'s pool. candle walks the graph recursively in
@@ -372,7 +422,10 @@ mod tests {
     #[test]
     fn says_what_it_did() {
         assert!(CandleThreads::Single.to_string().contains("calling thread"));
-        assert!(CandleThreads::LeftAsSet("4".into()).to_string().contains("CANDLE_NUM_THREADS=4"));
+        let set = CandleThreads::LeftAsSet { variable: CANDLE_THREADS_VARIABLE, value: "4".into() };
+        assert!(set.to_string().contains("CANDLE_NUM_THREADS=4"));
+        let parking = CandleThreads::Parking { spins: 100 }.to_string();
+        assert!(parking.contains("after 100 spins") && parking.contains(CANDLE_SPIN_VARIABLE));
         assert!(CandleThreads::PoolAlreadyStarted.to_string().contains("first in main"));
     }
 }
