@@ -124,6 +124,17 @@ fn backward_pass(loss: &Tensor, check: bool) -> Result<(GradStore, CheckedFinite
 /// The gradient `grad` of an op's argument `arg`: taken into the sink (`None`) when `arg` is a
 /// variable and [`backward`] runs on this thread, else returned for candle to accumulate.
 pub(crate) fn deposit(arg: &Tensor, grad: Tensor) -> Result<Option<Tensor>> {
+    deposit_known(arg, grad, None)
+}
+
+/// [`deposit`] of a gradient whose finiteness the op that made it knows already (`all_finite`: the
+/// GEMM checked its blocks as it wrote them, [`amp_kernels::gemm::gemm_new_streamed`]), so that the
+/// sink need not read it again for its check.
+pub(crate) fn deposit_checked(arg: &Tensor, grad: Tensor, all_finite: bool) -> Result<Option<Tensor>> {
+    deposit_known(arg, grad, Some(all_finite))
+}
+
+fn deposit_known(arg: &Tensor, grad: Tensor, all_finite: Option<bool>) -> Result<Option<Tensor>> {
     if !arg.is_variable() {
         return Ok(Some(grad));
     }
@@ -142,7 +153,10 @@ pub(crate) fn deposit(arg: &Tensor, grad: Tensor) -> Result<Option<Tensor>> {
                 // GPU this would wait for the device).
                 let finite = CHECK.get()
                     && grad.device().is_cpu()
-                    && crate::passes::find_non_finite(&[&grad])?.is_none();
+                    && match all_finite {
+                        Some(known) => known,
+                        None => crate::passes::find_non_finite(&[&grad])?.is_none(),
+                    };
                 entry.insert(Deposit { var: arg.clone(), grad, finite });
             }
         }
@@ -270,6 +284,61 @@ mod tests {
             Ok(())
         })
         .expect("a valid override")
+    }
+
+    /// On the paths whose products outrun memory (the bf16 dot and tile kernels; here their models,
+    /// which run anywhere) an f32 weight's gradient is written past the caches and checked as the GEMM
+    /// writes it: the same bits as the product on its own, found finite, and not when `x` holds a NaN.
+    /// C of 300 x 40 takes three of the AMX kernel's blocks.
+    #[test]
+    fn a_weights_gradient_from_a_bf16_product_is_checked_as_the_gemm_writes_it() -> Result<()> {
+        use amp_kernels::gemm::{gemm_new, Compute, Dims, MatRef, NewOutput, OutputType};
+        let dev = Device::Cpu;
+        let (rows, inputs, outputs) = (37, 40, 300);
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (outputs, inputs), &dev)?)?;
+        let r = Tensor::randn(0f32, 1.0, (rows, outputs), &dev)?;
+        let weight = ops::Operand::of(w.as_tensor());
+        for path in [GemmPath::AmxBf16Model, GemmPath::Avx512Bf16Model] {
+            for poisoned in [false, true] {
+                let mut xs = Tensor::randn(0f32, 1.0, rows * inputs, &dev)?.to_vec1::<f32>()?;
+                if poisoned {
+                    xs[3 * inputs + 7] = f32::NAN;
+                }
+                let x = Tensor::from_vec(xs.clone(), (rows, inputs), &dev)?;
+                with_override(Override::Path(path), || -> Result<()> {
+                    let y = ops::linear_to(
+                        &x,
+                        &weight,
+                        None,
+                        Precision::Bf16,
+                        DType::F32,
+                        ops::Epilogue::Identity,
+                    )?;
+                    let (grads, checked) = super::backward_checked(&(y * &r)?.sum_all()?)?;
+                    let dw = grads.get(w.as_tensor()).expect("a gradient");
+                    assert_eq!(checked.contains(dw), !poisoned, "{path:?} poisoned {poisoned}");
+                    let rs = r.flatten_all()?.to_vec1::<f32>()?;
+                    // dY^T x, dY = r: r's rows read as columns.
+                    let r_t = MatRef {
+                        data: (&rs[..]).into(),
+                        row_stride: 1,
+                        col_stride: outputs,
+                        batch_stride: 0,
+                    };
+                    let x_rows = MatRef::row_major(&xs[..], inputs);
+                    let dims = Dims::new(outputs, inputs, rows);
+                    let want = gemm_new(path, dims, r_t, x_rows, OutputType::F32, Compute::Bf16, None);
+                    let Ok(NewOutput::F32(want)) = want else { panic!("an f32 product") };
+                    let bits = |v: &[f32]| {
+                        v.iter().map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() }).collect::<Vec<_>>()
+                    };
+                    assert_eq!(bits(&dw.flatten_all()?.to_vec1::<f32>()?), bits(&want), "{path:?}");
+                    Ok(())
+                })
+                .expect("a valid override")?;
+            }
+        }
+        Ok(())
     }
 
     /// Given running sums, the pass leaves no gradient in the store for a weight that only amp's

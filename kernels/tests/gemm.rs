@@ -659,3 +659,45 @@ fn a_new_c_holds_what_gemm_with_writes() {
         }
     }
 }
+
+/// `gemm_new_streamed` writes what `gemm_new` writes, bit for bit, on every path, layout and edge
+/// shape (several blocks, blocks cut by C's edge, more than one AMX k-block, rows off a cache line),
+/// with and without a bias, and says whether C is all finite: checked against C itself, with operands
+/// that hold infinities and NaNs, that overflow, or neither.
+#[test]
+fn a_streamed_c_holds_what_gemm_new_writes_and_knows_whether_it_is_finite() {
+    use amp_kernels::gemm::{gemm_new, gemm_new_streamed, NewOutput, OutputType};
+    let mut rng = Rng(31);
+    let mut shapes: Vec<Case> = edge_cases(Compute::F32, Dtype::F32, false);
+    // Blocks of C on the AMX kernel (128 x 256) and the zmm kernel, and a row stride off a line.
+    for (m, n, k) in [(300, 530, 40), (257, 1030, 70)] {
+        let dims = Dims { batch: 1, m, n, k };
+        shapes.push(Case { dims, a: (Dtype::Bf16, false), b: (Dtype::Bf16, true), ..shapes[0] });
+    }
+    for compute in [Compute::F32, Compute::Bf16, Compute::F16] {
+        for case in &shapes {
+            let case = Case { compute, ..*case };
+            let ordinary: fn(&mut Rng) -> f32 = |r| r.spread(-4, 4);
+            for (what, value) in [("ordinary", ordinary), ("special", special), ("small", special_but_small)]
+            {
+                let x = inputs_of(&case, &mut rng, value);
+                let n = case.dims.n;
+                let bias = rng.vec(n, -2, 2);
+                for path in GemmPath::supported().filter(|p| !p.is_bf16_dot() || compute == Compute::Bf16) {
+                    for bias in [None, Some(&bias[..])] {
+                        let (a, b) = (x.a.view(), x.b.view());
+                        let NewOutput::F32(want) =
+                            gemm_new(path, case.dims, a, b, OutputType::F32, compute, bias).unwrap()
+                        else {
+                            unreachable!("an f32 C")
+                        };
+                        let (got, finite) = gemm_new_streamed(path, case.dims, a, b, compute, bias).unwrap();
+                        let name = format!("{path} {case:?} {what} bias {}", bias.is_some());
+                        assert_same(&name, &got, &want);
+                        assert_eq!(finite, want.iter().all(|x| x.is_finite()), "{name}: finite");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -159,6 +159,35 @@ pub fn gemm_new(
     })
 }
 
+/// [`gemm_new`] of an f32 C that is read again only after much other work, such as a weight's gradient
+/// (read by the optimizer after the whole backward pass), and whether all of C is finite. On x86-64
+/// each block of C is summed in a scratch block of the worker's and written out with streaming stores,
+/// which do not first read C's cache lines as ordinary stores do (half the memory traffic of a C the
+/// caches cannot hold), and checked for infinities and NaNs while it is in cache. The same values as
+/// [`gemm_new`]'s, bit for bit; C is not left in the caches.
+///
+/// # Errors
+/// As [`gemm_new`].
+pub fn gemm_new_streamed(
+    path: GemmPath,
+    dims: Dims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    compute: Compute,
+    bias: Option<&[f32]>,
+) -> Result<(Vec<f32>, bool), GemmError> {
+    path.check(compute)?;
+    layout::check_operands(dims, &a, &b)?;
+    if let Some(bias) = bias {
+        if bias.len() != dims.n {
+            return Err(GemmError::BiasLength { len: bias.len(), n: dims.n });
+        }
+    }
+    let start = bias.map_or(Start::Zero, Start::Bias);
+    let len = dims.batch.checked_mul(dims.m).and_then(|x| x.checked_mul(dims.n)).expect("C fits in memory");
+    Ok(driver::run_new_streamed(path, dims, a, b, compute, start, len))
+}
+
 /// `groups.count` products of the same shape into a new C of `out`'s type, product `g` reading `a` and
 /// `b` `g * a_step` and `g * b_step` elements on, each `(batch, m, n)` with `k` steps (`dims`), placed
 /// side by side (C `(batch, m, count * n)`, product `g` the columns `g * n ..` of every row) or stacked

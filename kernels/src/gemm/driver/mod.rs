@@ -27,6 +27,8 @@
 //! block's tiles (2, 3), `tiles` holds the tiles the micro-kernel does not take whole (the steps a
 //! triangle leaves, tiles cut by C's edge) and `buffers` the buffers each thread keeps.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -43,6 +45,7 @@ use tiles::tile_steps;
 mod buffers;
 mod packing;
 mod skinny_tiles;
+mod stream;
 mod sweep;
 mod tiles;
 
@@ -84,6 +87,35 @@ pub(crate) fn run_new<T: NewElement>(
     c
 }
 
+/// [`run_new`] of an f32 C written with streaming stores where the blocked loop runs ([`stream`]), and
+/// whether every value of C is finite (checked as each block is written; where a skinny path runs, or
+/// no streaming stores exist, C is written as usual and checked after).
+pub(crate) fn run_new_streamed(
+    path: GemmPath,
+    dims: Dims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    compute: Compute,
+    start: Start<'_>,
+    len: usize,
+) -> (Vec<f32>, bool) {
+    debug_assert!(!matches!(start, Start::Output), "a new C has nothing to start from");
+    let mut c: Vec<f32> = Vec::with_capacity(len);
+    let finite = AtomicBool::new(true);
+    let out = Out { ptr: Ptr::F32(c.as_mut_ptr()), row_stride: dims.n, batch_stride: dims.m * dims.n };
+    let job = Job::one(dims, a, b, out, compute, start);
+    let blocked = stream::AVAILABLE && !skinny::applies(path, &job) && !skinny_tiles::applies(path, &job);
+    run_job(path, Job { stream: blocked.then_some(&finite), ..job });
+    // SAFETY: as in `run_new`: the job wrote every element of the dense C.
+    unsafe { c.set_len(len) };
+    let all_finite = if blocked {
+        finite.load(Ordering::Relaxed)
+    } else {
+        !c.iter().fold(false, |bad, x| bad | (x.to_bits() & 0x7F80_0000 == 0x7F80_0000))
+    };
+    (c, all_finite)
+}
+
 /// [`run_new`] for `groups` of products (C `(batch, m, count * n)` side by side, or `(count, batch, m,
 /// n)` stacked), each product `g` reading `a` and `b` `g` steps on; `triangle` says what may be skipped.
 /// One job runs them all, unless the skinny path takes them (one product at a time, as it would alone).
@@ -113,7 +145,8 @@ pub(crate) fn run_new_groups<T: NewElement>(
         batch_stride,
     };
     let spacing = Spacing { count: groups.count, a: groups.a_step, b: groups.b_step, c: c_step };
-    let whole = Job { dims, a, b, out: out(0), compute, start: Start::Zero, spacing, triangle };
+    let start = Start::Zero;
+    let whole = Job { dims, a, b, out: out(0), compute, start, spacing, triangle, stream: None };
     if groups.count > 1 && skinny::applies(path, &whole) {
         for g in 0..groups.count {
             const CHECKED: &str = "check_groups found every product inside its operands";
@@ -248,6 +281,9 @@ pub(crate) struct Job<'a> {
     pub(crate) start: Start<'a>,
     pub(crate) spacing: Spacing,
     pub(crate) triangle: Triangle,
+    /// An f32 C written with streaming stores ([`stream`]), and the flag cleared where a value written
+    /// is not finite.
+    pub(crate) stream: Option<&'a AtomicBool>,
 }
 
 /// Products of the same shape and strides at fixed distances: product `g` reads A and B and writes C
@@ -286,7 +322,7 @@ impl<'a> Job<'a> {
         compute: Compute,
         start: Start<'a>,
     ) -> Job<'a> {
-        Job { dims, a, b, out, compute, start, spacing: Spacing::ONE, triangle: Triangle::Full }
+        Job { dims, a, b, out, compute, start, spacing: Spacing::ONE, triangle: Triangle::Full, stream: None }
     }
 
     /// Floating-point operations of all the products.

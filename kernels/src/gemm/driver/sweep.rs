@@ -25,6 +25,11 @@ impl Job<'_> {
         let origin =
             self.origin(blk.batch, out.batch_stride, self.spacing.c) + blk.row * out.row_stride + blk.col;
         match out.ptr {
+            Ptr::F32(c) if self.stream.is_some() && super::stream::AVAILABLE => {
+                let finite = self.stream.expect("checked");
+                let c = c.wrapping_add(origin);
+                self.streamed_block(micro, blk, steps, (a_packed, b_packed), c, finite);
+            }
             // SAFETY: `origin` and the block's extent lie inside C (layout::check), and no other block
             // writes these elements.
             Ptr::F32(c) => unsafe {
@@ -106,7 +111,7 @@ impl Job<'_> {
     /// `c` is valid for the block's `rows x cols` floats at distance `ldc`, and `half` for its `rows x
     /// cols` elements at its distance; a `TileStart::Row` holds the block's `cols` floats.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn sweep<M: Micro, H: HalfC>(
+    pub(super) unsafe fn sweep<M: Micro, H: HalfC>(
         &self,
         micro: M,
         blk: Block,
@@ -248,7 +253,7 @@ impl Job<'_> {
 
 /// Where a block's sums start in its first k-block.
 #[derive(Clone, Copy)]
-enum TileStart<'a> {
+pub(super) enum TileStart<'a> {
     Zero,
     /// From what C holds.
     C,
