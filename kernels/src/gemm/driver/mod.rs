@@ -25,7 +25,9 @@
 //!
 //! This file plans a product and runs its blocks; `packing` packs the operands (1), `sweep` runs a
 //! block's tiles (2, 3), `tiles` holds the tiles the micro-kernel does not take whole (the steps a
-//! triangle leaves, tiles cut by C's edge) and `buffers` the buffers each thread keeps.
+//! triangle leaves, tiles cut by C's edge), `stream` writes a block of an f32 C past the caches (a C
+//! read again only much later: [`super::gemm_new_streamed`]) and `buffers` the buffers each thread
+//! keeps.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
