@@ -135,6 +135,11 @@ fn candle_workers_park_between_ops_when_set_first() {
         line.trim().parse().unwrap()
     };
     let (parking, spinning) = (run("set"), run("control"));
+    if spinning == 0 {
+        // A kernel without schedstat (or no worker found): the CPU times cannot be compared here.
+        eprintln!("candle's worker reported no CPU time (no /proc/.../schedstat?): not compared");
+        return;
+    }
     assert!(
         parking < spinning / 2,
         "candle's worker used {parking} ns of CPU over 20 ops with {PARKING_SPINS} spins, {spinning} ns at 25 000"

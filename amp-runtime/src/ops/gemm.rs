@@ -435,9 +435,10 @@ impl CustomOp3 for LinearOp {
             }
             _ => false,
         };
-        let streamed = match needs_gradient(w) && !added {
-            true => self.streamed_weight_gradient(&grad, &x_rows, w)?,
-            false => None,
+        let streamed = if needs_gradient(w) && !added {
+            self.streamed_weight_gradient(&grad, &x_rows, w)?
+        } else {
+            None
         };
         let dw = match streamed {
             Some((dw, all_finite)) => gradient_sink::deposit_checked(w, dw, all_finite)?,

@@ -17,11 +17,11 @@ const BLOCK: usize = 16;
 
 /// The bf16 bits of a run of consecutive `k` as pairs (`k = 2s` in the low half of word `s`, as [`pair`]
 /// makes them), into `out` (`run.len() <= 2 * out.len()`); halves past the run (an odd last `k`'s
-/// partner) are zero. The words are written as 16-bit halves in the run's order, in blocks of 16
-/// values: a block of known length is one vector operation per step of the rounding, where a loop
-/// over a short run (32 values: a group of an AMX panel) ran its 8-wide remainder loop (a plain copy
-/// for a bf16 run); on a little-endian target that order is already the pairs', a big-endian one swaps
-/// each word's halves after.
+/// partner) are zero. The words are written as 16-bit halves in the run's order (a plain copy for a
+/// bf16 run), in blocks of 16 values: a block of known length is one vector operation per step of the
+/// rounding, where a loop over a short run (32 values: a group of an AMX panel) ran the vectoriser's
+/// 8-wide remainder loop. On a little-endian target that order is already the pairs', a big-endian one
+/// swaps each word's halves after.
 #[inline(always)]
 fn pairs_from_run<S: Source>(run: &[S], out: &mut [u32]) {
     debug_assert!(run.len() <= 2 * out.len());

@@ -38,7 +38,8 @@ pub(super) fn pack_grouped<S: Source, P: PackInto>(
     } else if lines.line_stride == 1 && width <= MAX_WIDTH && group <= MAX_GROUP {
         // Lines contiguous: each step's lines one run of the source, converted into a row of a tile
         // (contiguous: vectorises), then the tile transposed into the group line by line. The tile is
-        // declared (zeroed) once per panel, here only: zeroing it cost as much as packing an A panel.
+        // declared (zeroed) once per panel, and only here: the k-contiguous panels above zeroed its 4
+        // KiB too, as many bytes as an AMX A panel of 64 `k` holds (1% of attention's `q k^T` in cache).
         let mut tile = [[P::default(); MAX_WIDTH]; MAX_GROUP];
         for (g, block) in dst.chunks_exact_mut(width * group).enumerate() {
             let (first, present) = (g * group, present(g));
