@@ -469,56 +469,63 @@ impl LinearOp {
         x_rows: &Tensor,
         w: &Tensor,
     ) -> Result<Option<(Tensor, bool)>> {
-        let (rows, outputs) = grad.dims2()?;
-        let inputs = x_rows.dim(1)?;
-        let fits = self.gemm.path.is_bf16_dot()
-            && w.dtype() == DType::F32
-            && w.dims() == [outputs, inputs]
-            && [grad, x_rows].iter().all(|t| t.device().is_cpu() && t.is_contiguous());
-        if !fits {
+        if !self.gemm.path.is_bf16_dot() {
             return Ok(None);
         }
         let (path, compute) = (self.gemm.path, self.gemm.compute);
-        let product = crate::storage::with_slices(&[grad, x_rows], |operands| {
-            // dY^T: dY's rows read as columns.
-            let dy_t = MatRef { data: operands[0], row_stride: 1, col_stride: outputs, batch_stride: 0 };
-            let x = MatRef::row_major(operands[1], inputs);
-            gemm_new_streamed(path, Dims::new(outputs, inputs, rows), dy_t, x, compute, None)
-        });
-        let (dw, all_finite) =
-            product.map_err(candle_core::Error::wrap)?.map_err(candle_core::Error::wrap)?;
-        Ok(Some((Tensor::from_vec(dw, (outputs, inputs), &candle_core::Device::Cpu)?, all_finite)))
+        with_weight_gradient_operands(grad, x_rows, w, |dims, dy_t, x| {
+            let (dw, all_finite) =
+                gemm_new_streamed(path, dims, dy_t, x, compute, None).map_err(candle_core::Error::wrap)?;
+            Ok((Tensor::from_vec(dw, (dims.m, dims.n), &candle_core::Device::Cpu)?, all_finite))
+        })
     }
 
     /// `sum += grad^T x_rows`, the weight's gradient added by the GEMM into the running sum the pass
     /// was given for it (`C += A·B`: the sum is C's start), when the operands allow it: an f32 sum of
     /// the weight's shape and contiguous operands on the CPU. Returns whether it was added.
     fn add_weight_gradient(&self, grad: &Tensor, x_rows: &Tensor, sum: &Tensor) -> Result<bool> {
-        let (rows, outputs) = grad.dims2()?;
-        let inputs = x_rows.dim(1)?;
-        let fits = sum.dtype() == DType::F32
-            && sum.dims() == [outputs, inputs]
-            && [grad, x_rows, sum].iter().all(|t| t.device().is_cpu() && t.is_contiguous());
-        if !fits {
+        if !(sum.device().is_cpu() && sum.is_contiguous()) {
             return Ok(false);
         }
         let (path, compute) = (self.gemm.path, self.gemm.compute);
-        let added = crate::storage::with_slices(&[grad, x_rows], |operands| {
-            // dY^T: dY's rows read as columns.
-            let dy_t = MatRef { data: operands[0], row_stride: 1, col_stride: outputs, batch_stride: 0 };
-            let x = MatRef::row_major(operands[1], inputs);
-            crate::storage::with_all_mut(&[sum], |sums| match &mut sums[0] {
+        let added = with_weight_gradient_operands(grad, x_rows, sum, |dims, dy_t, x| {
+            let added = crate::storage::with_all_mut(&[sum], |sums| match &mut sums[0] {
                 GradSliceMut::F32(c) => {
-                    let c = MatMut::row_major(&mut c[..], inputs);
-                    gemm_with(path, Dims::new(outputs, inputs, rows), dy_t, x, c, compute, Start::Output)
+                    let c = MatMut::row_major(&mut c[..], dims.n);
+                    gemm_with(path, dims, dy_t, x, c, compute, Start::Output)
                         .map_err(candle_core::Error::wrap)
                 }
                 _ => Err(candle_core::Error::Msg("amp-linear: a gradient sum that is not f32".into())),
-            })
-        });
-        added.map_err(candle_core::Error::wrap)?.map_err(candle_core::Error::wrap)??;
-        Ok(true)
+            });
+            added.map_err(candle_core::Error::wrap)?
+        })?;
+        Ok(added.is_some())
     }
+}
+
+/// Runs `product` on the operands of a weight's gradient `grad^T x_rows` on the CPU: its dims, `dY^T`
+/// (dY's rows read as columns) and x's rows; `None` where the gradient would not be an f32 one of
+/// `like`'s shape, or `grad` or `x_rows` is off the CPU or not contiguous.
+fn with_weight_gradient_operands<R>(
+    grad: &Tensor,
+    x_rows: &Tensor,
+    like: &Tensor,
+    product: impl FnOnce(Dims, MatRef<'_>, MatRef<'_>) -> Result<R>,
+) -> Result<Option<R>> {
+    let (rows, outputs) = grad.dims2()?;
+    let inputs = x_rows.dim(1)?;
+    let fits = like.dtype() == DType::F32
+        && like.dims() == [outputs, inputs]
+        && [grad, x_rows].iter().all(|t| t.device().is_cpu() && t.is_contiguous());
+    if !fits {
+        return Ok(None);
+    }
+    let result = crate::storage::with_slices(&[grad, x_rows], |operands| {
+        let dy_t = MatRef { data: operands[0], row_stride: 1, col_stride: outputs, batch_stride: 0 };
+        let x = MatRef::row_major(operands[1], inputs);
+        product(Dims::new(outputs, inputs, rows), dy_t, x)
+    });
+    result.map_err(candle_core::Error::wrap)?.map(Some)
 }
 
 /// `t` `(.., cols)` as a matrix `(rows, cols)`: `t` itself when it is one, else a reshape (a view when

@@ -143,15 +143,7 @@ pub fn gemm_new(
     compute: Compute,
     bias: Option<&[f32]>,
 ) -> Result<NewOutput, GemmError> {
-    path.check(compute)?;
-    layout::check_operands(dims, &a, &b)?;
-    if let Some(bias) = bias {
-        if bias.len() != dims.n {
-            return Err(GemmError::BiasLength { len: bias.len(), n: dims.n });
-        }
-    }
-    let start = bias.map_or(Start::Zero, Start::Bias);
-    let len = dims.batch.checked_mul(dims.m).and_then(|x| x.checked_mul(dims.n)).expect("C fits in memory");
+    let (start, len) = new_c(path, compute, dims, (&a, &b), bias)?;
     Ok(match out {
         OutputType::F32 => NewOutput::F32(driver::run_new(path, dims, a, b, compute, start, len)),
         OutputType::F16 => NewOutput::F16(driver::run_new(path, dims, a, b, compute, start, len)),
@@ -176,16 +168,28 @@ pub fn gemm_new_streamed(
     compute: Compute,
     bias: Option<&[f32]>,
 ) -> Result<(Vec<f32>, bool), GemmError> {
+    let (start, len) = new_c(path, compute, dims, (&a, &b), bias)?;
+    Ok(driver::run_new_streamed(path, dims, a, b, compute, start, len))
+}
+
+/// What a new C's products check first (the path, the operands, the bias's length), and then C's start
+/// and its length.
+fn new_c<'b>(
+    path: GemmPath,
+    compute: Compute,
+    dims: Dims,
+    (a, b): (&MatRef<'_>, &MatRef<'_>),
+    bias: Option<&'b [f32]>,
+) -> Result<(Start<'b>, usize), GemmError> {
     path.check(compute)?;
-    layout::check_operands(dims, &a, &b)?;
+    layout::check_operands(dims, a, b)?;
     if let Some(bias) = bias {
         if bias.len() != dims.n {
             return Err(GemmError::BiasLength { len: bias.len(), n: dims.n });
         }
     }
-    let start = bias.map_or(Start::Zero, Start::Bias);
     let len = dims.batch.checked_mul(dims.m).and_then(|x| x.checked_mul(dims.n)).expect("C fits in memory");
-    Ok(driver::run_new_streamed(path, dims, a, b, compute, start, len))
+    Ok((bias.map_or(Start::Zero, Start::Bias), len))
 }
 
 /// `groups.count` products of the same shape into a new C of `out`'s type, product `g` reading `a` and
