@@ -78,15 +78,7 @@ pub(crate) fn run_new<T: NewElement>(
     len: usize,
 ) -> Vec<T> {
     debug_assert!(!matches!(start, Start::Output), "a new C has nothing to start from");
-    let mut c: Vec<T> = Vec::with_capacity(len);
-    let out = Out { ptr: T::ptr(c.as_mut_ptr()), row_stride: dims.n, batch_stride: dims.m * dims.n };
-    run_job(path, Job::one(dims, a, b, out, compute, start));
-    // SAFETY: C is dense (row stride n, batch stride m * n) inside its `len` elements, and the job
-    // wrote every one of them: each block's first k-block stores its tiles without loading them
-    // (`Start::Zero` and `Start::Bias` never read C), edge tiles copy their present part out, and an
-    // empty k fills the block with its start.
-    unsafe { c.set_len(len) };
-    c
+    new_dense(dims, len, |out| run_job(path, Job::one(dims, a, b, out, compute, start)))
 }
 
 /// [`run_new`] of an f32 C written with streaming stores where the blocked loop runs ([`stream`]), and
@@ -102,20 +94,29 @@ pub(crate) fn run_new_streamed(
     len: usize,
 ) -> (Vec<f32>, bool) {
     debug_assert!(!matches!(start, Start::Output), "a new C has nothing to start from");
-    let mut c: Vec<f32> = Vec::with_capacity(len);
     let finite = AtomicBool::new(true);
-    let out = Out { ptr: Ptr::F32(c.as_mut_ptr()), row_stride: dims.n, batch_stride: dims.m * dims.n };
-    let job = Job::one(dims, a, b, out, compute, start);
-    let blocked = stream::AVAILABLE && !skinny::applies(path, &job) && !skinny_tiles::applies(path, &job);
-    run_job(path, Job { stream: blocked.then_some(&finite), ..job });
-    // SAFETY: as in `run_new`: the job wrote every element of the dense C.
-    unsafe { c.set_len(len) };
-    let all_finite = if blocked {
-        finite.load(Ordering::Relaxed)
-    } else {
-        !c.iter().fold(false, |bad, x| bad | (x.to_bits() & 0x7F80_0000 == 0x7F80_0000))
-    };
+    let mut blocked = false;
+    let c = new_dense(dims, len, |out| {
+        let job = Job::one(dims, a, b, out, compute, start);
+        blocked = stream::AVAILABLE && !skinny::applies(path, &job) && !skinny_tiles::applies(path, &job);
+        run_job(path, Job { stream: blocked.then_some(&finite), ..job });
+    });
+    let all_finite =
+        if blocked { finite.load(Ordering::Relaxed) } else { !crate::portable::kernels::any_nonfinite(&c) };
     (c, all_finite)
+}
+
+/// A new dense C of `len = batch * m * n` elements (row stride n, batch stride m * n), which `write`
+/// fills through the [`Out`] it is given: a product that writes every element, never reading C.
+fn new_dense<T: NewElement>(dims: Dims, len: usize, write: impl FnOnce(Out)) -> Vec<T> {
+    let mut c: Vec<T> = Vec::with_capacity(len);
+    write(Out { ptr: T::ptr(c.as_mut_ptr()), row_stride: dims.n, batch_stride: dims.m * dims.n });
+    // SAFETY: C is dense inside its `len` elements, and the job wrote every one of them: each block's
+    // first k-block stores its tiles without loading them (`Start::Zero` and `Start::Bias` never read
+    // C; a streamed block copies its whole scratch block out), edge tiles copy their present part out,
+    // and an empty k fills the block with its start.
+    unsafe { c.set_len(len) };
+    c
 }
 
 /// [`run_new`] for `groups` of products (C `(batch, m, count * n)` side by side, or `(count, batch, m,

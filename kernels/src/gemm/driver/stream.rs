@@ -55,7 +55,7 @@ impl Job<'_> {
         }
         let mut all_finite = true;
         for (r, row) in scratch.chunks_exact(blk.cols).enumerate() {
-            all_finite &= !row.iter().fold(false, |bad, x| bad | (x.to_bits() & 0x7F80_0000 == 0x7F80_0000));
+            all_finite &= !crate::portable::kernels::any_nonfinite(row);
             // SAFETY: as above.
             unsafe { write_row(row, c.add(r * ldc)) };
         }
