@@ -3,7 +3,8 @@
 //! head. The main job trains it; `tests/main_job.rs` and `tests/transformer_levels.rs` include this file.
 
 use amp::nn::{
-    embedding, layer_norm, linear, multi_head_attention, Embedding, LayerNorm, Linear, MultiHeadAttention,
+    embedding, gelu_mlp, layer_norm, linear, multi_head_attention, Embedding, LayerNorm, Linear,
+    MultiHeadAttention,
 };
 use std::collections::HashMap;
 
@@ -68,10 +69,10 @@ impl Block {
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
-        // amp's GELU, fused into the up-projection's op: one pass each way in f32 (candle's backward is
-        // a chain of half-precision tensor ops), and no graph node of its own between the products.
-        let hidden = self.mlp.up.forward_gelu(&self.ln2.forward(&x)?)?;
-        x + self.mlp.down.forward(&hidden)?
+        // The MLP's two products and amp's GELU as two ops that pass the hidden activation between
+        // them outside candle's graph, kept in the precision the down-projection reads.
+        let mlp = gelu_mlp(&self.ln2.forward(&x)?, &self.mlp.up, &self.mlp.down)?;
+        x + mlp
     }
 }
 

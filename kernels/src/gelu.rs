@@ -67,17 +67,25 @@ fn tanh<A: MulAdd>(u: f32) -> f32 {
     ((1.0 - e) / (1.0 + e)).copysign(u)
 }
 
-/// `y = gelu(x)`, `y` in `x`'s dtype.
+/// `y = gelu(x)`, computed in f32 and rounded once to `y`'s dtype, which may differ from `x`'s (an f32
+/// product's GELU kept in the half precision the next product reads).
 ///
 /// # Panics
-/// If the lengths or the dtypes differ.
+/// If the lengths differ.
 pub fn forward(x: GradSlice<'_>, y: GradSliceMut<'_>) {
     assert_eq!(x.len(), y.len(), "gelu: x and y lengths");
-    match (x, y) {
-        (GradSlice::F32(x), GradSliceMut::F32(y)) => map(x, y),
-        (GradSlice::F16(x), GradSliceMut::F16(y)) => map(x, y),
-        (GradSlice::Bf16(x), GradSliceMut::Bf16(y)) => map(x, y),
-        (x, y) => panic!("gelu: x is {:?} but y is {:?}", x.dtype(), y.dtype()),
+    match x {
+        GradSlice::F32(x) => forward_from(x, y),
+        GradSlice::F16(x) => forward_from(x, y),
+        GradSlice::Bf16(x) => forward_from(x, y),
+    }
+}
+
+fn forward_from<T: Float>(x: &[T], y: GradSliceMut<'_>) {
+    match y {
+        GradSliceMut::F32(y) => map(x, y),
+        GradSliceMut::F16(y) => map(x, y),
+        GradSliceMut::Bf16(y) => map(x, y),
     }
 }
 
@@ -103,18 +111,25 @@ fn backward_from<G: Float>(x: GradSlice<'_>, dy: &[G], dx: GradSliceMut<'_>) {
     }
 }
 
-fn map<T: Float>(x: &[T], y: &mut [T]) {
+fn map<T: Float, U: Float>(x: &[T], y: &mut [U]) {
     let values = if cpu_fuses() { values::<Fused> } else { values::<Separate> };
     y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
-        if let (Some(x), Some(y)) = (T::as_f32(x), T::as_f32_mut(y)) {
+        if let (Some(x), Some(y)) = (T::as_f32(x), U::as_f32_mut(y)) {
             return values(x, y);
         }
         let (mut wide, mut out) = ([0f32; BLOCK], [0f32; BLOCK]);
         for (y, x) in y.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
-            let (wide, out) = (&mut wide[..x.len()], &mut out[..x.len()]);
-            T::widen(x, wide);
-            values(wide, out);
-            T::narrow(out, y);
+            let n = x.len();
+            // f32 inputs are read where they lie; half ones widened first.
+            let x = match T::as_f32(x) {
+                Some(x) => x,
+                None => {
+                    T::widen(x, &mut wide[..n]);
+                    &wide[..n]
+                }
+            };
+            values(x, &mut out[..n]);
+            U::narrow(&out[..n], y);
         }
     });
 }
@@ -268,6 +283,26 @@ mod tests {
                 let (value, slope) = value_and_slope(xh[i].to_f32());
                 assert_eq!(yh[i], bf16::from_f32(value), "[{i}]");
                 assert_eq!(dxh[i], bf16::from_f32(dyh[i].to_f32() * slope), "[{i}]");
+            }
+        }
+    }
+
+    /// An f32 input's GELU written in a half dtype (or a half input's in f32) is the scalar function of
+    /// the input rounded once to the output's dtype, on every chunk and block edge.
+    #[test]
+    fn an_output_of_another_dtype_is_the_function_rounded_once_to_it() {
+        for n in [1, BLOCK - 1, BLOCK + 1, CHUNK + 3, 3 * CHUNK + BLOCK + 7] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 4001) as f32 / 250.0 - 8.0).collect();
+            let (mut yb, mut yf) = (vec![bf16::ZERO; n], vec![f16::ZERO; n]);
+            forward(GradSlice::F32(&x), GradSliceMut::Bf16(&mut yb));
+            forward(GradSlice::F32(&x), GradSliceMut::F16(&mut yf));
+            let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+            let mut wide = vec![0f32; n];
+            forward(GradSlice::F16(&xh), GradSliceMut::F32(&mut wide));
+            for i in 0..n {
+                let value = value_and_slope(x[i]).0;
+                assert_eq!((yb[i], yf[i]), (bf16::from_f32(value), f16::from_f32(value)), "[{i}]");
+                assert_eq!(wide[i].to_bits(), value_and_slope(xh[i].to_f32()).0.to_bits(), "[{i}]");
             }
         }
     }

@@ -8,10 +8,10 @@
 //! half product in the compute dtype, so there the sum is rounded to it first and once more after the
 //! bias.
 
-use candle_core::{Module, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
 
-use crate::ops::Epilogue;
+use crate::ops::{Epilogue, Operand};
 use crate::{LayerPrecision, Param};
 
 /// A linear layer with candle-nn's parameter names (`weight`, `bias`) and initialisation.
@@ -76,16 +76,27 @@ impl Linear {
     }
 
     fn forward_with(&self, xs: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
+        let (w, bias) = self.product_operands(xs.device())?;
+        let (compute, out) = (self.precision.compute, self.output_dtype(xs.dtype()));
+        crate::ops::linear_to(xs, &w, bias.as_ref(), compute, out, epilogue)
+    }
+
+    /// The dtype of the layer's output for an input of dtype `input`.
+    pub(crate) fn output_dtype(&self, input: DType) -> DType {
+        self.precision.output.map_or(input, |p| p.dtype())
+    }
+
+    /// The weight and the bias as the layer's product reads them on `device`.
+    pub(crate) fn product_operands(&self, device: &Device) -> Result<(Operand, Option<Tensor>)> {
         let compute = self.precision.compute;
-        let out = self.precision.output.map_or(xs.dtype(), |p| p.dtype());
         // On amp's CPU GEMM the weight is read as its fp32 master and rounded while packing, so its
         // gradient comes out of the GEMM in f32 (`GradientRoute`); elsewhere the working copy.
-        let w = self.weight.for_product(compute, xs.device())?;
+        let w = self.weight.for_product(compute, device)?;
         // The bias in f32: its gradient sums the upstream gradient over the batch, and that sum must not
         // accumulate in half precision, nor (under O2, on amp's GEMM) be rounded to the half working
-        // copy. The product is summed in f32 and rounded once, to `out`.
-        let bias = self.bias.as_ref().map(|b| b.as_f32_addend(compute, xs.device())).transpose()?;
-        crate::ops::linear_to(xs, &w, bias.as_ref(), compute, out, epilogue)
+        // copy. The product is summed in f32 and rounded once, to the output dtype.
+        let bias = self.bias.as_ref().map(|b| b.as_f32_addend(compute, device)).transpose()?;
+        Ok((w, bias))
     }
 }
 

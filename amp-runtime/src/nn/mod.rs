@@ -70,6 +70,7 @@ mod group_norm;
 mod layer_norm;
 mod linear;
 mod loss;
+mod mlp;
 mod rms_norm;
 
 pub use attention::{multi_head_attention, MultiHeadAttention};
@@ -82,6 +83,7 @@ pub use group_norm::{group_norm, GroupNorm};
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{BceWithLogitsLoss, BinaryCrossEntropyLoss, CrossEntropyLoss, MseLoss};
+pub use mlp::gelu_mlp;
 pub use rms_norm::{rms_norm, RmsNorm};
 
 use candle_core::{DType, Result, Tensor};

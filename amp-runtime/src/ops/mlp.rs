@@ -1,0 +1,223 @@
+//! A two-layer perceptron, `down(gelu(up(x)))`, as two candle ops that hand the hidden activation to
+//! each other outside candle's graph.
+//!
+//! Written as a Linear with a GELU epilogue and a second Linear ([`super::gemm`]), the hidden activation
+//! (`rows x hidden`, the widest tensor of a transformer block) is a node of the graph: it is stored in
+//! its activation dtype (f32 under O2) although the down-projection rounds it to its compute precision
+//! as it reads it, and candle's backward pass gives it a zero-filled gradient and adds the
+//! down-projection's `dX` into it (two passes over `rows x hidden` floats, and a third buffer). Here the
+//! up op ([`UpOp`]) keeps GELU's output in the dtype the down-projection's GEMM reads and returns a
+//! one-element token in its place; the down op ([`DownOp`]) takes the token as its first argument, so
+//! candle runs its backward pass first, and reads the hidden activation from the state the two share.
+//! Its backward pass takes the gradient back through GELU and leaves it there for the up op's.
+//!
+//! The values are those of the unfused layers, bit for bit: the stored activation is the value the
+//! down-projection's GEMM reads either way (the unfused one rounds it while packing), and the gradients
+//! pass through the same kernels in the same order, without the zero that candle adds them to.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use amp_kernels::Dtype;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor};
+
+use super::elementwise::{elements, new_storage, part};
+use super::gemm::{linear_op, needs_gradient, rows_of, LinearOp, Operand};
+use crate::Precision;
+
+/// One of the perceptron's two Linears: its weight as the product reads it, its bias (none: zeros),
+/// its compute precision and its output dtype.
+pub(crate) struct Projection<'a> {
+    pub weight: &'a Operand,
+    pub bias: Option<&'a Tensor>,
+    pub compute: Precision,
+    pub out: DType,
+}
+
+/// `down(gelu(x up^T + b_up))`, fused as the module says where the dispatcher picks amp's GEMM for both
+/// products; `None` otherwise (the caller runs the layers one by one).
+pub(crate) fn gelu_mlp(x: &Tensor, up: Projection<'_>, down: Projection<'_>) -> Result<Option<Tensor>> {
+    let rows = x.elem_count() / up.weight.differentiated.dim(1)?.max(1);
+    let device = x.device();
+    let Some((up_op, up_bias)) =
+        linear_op((rows, x.dtype(), device), up.weight, &bias_row(&up, device)?, up.compute, up.out)?
+    else {
+        return Ok(None);
+    };
+    let Some((down_op, down_bias)) =
+        linear_op((rows, up.out, device), down.weight, &bias_row(&down, device)?, down.compute, down.out)?
+    else {
+        return Ok(None);
+    };
+    // The unfused down-projection reads an f32 activation rounded to its compute precision: stored so
+    // rounded here. A half activation it reads as it is (rounded again if its precision differs).
+    let hidden_dtype = match (up.out, down.compute) {
+        (DType::BF16, _) | (DType::F32, Precision::Bf16) => Dtype::Bf16,
+        (DType::F16, _) | (DType::F32, Precision::Fp16) => Dtype::F16,
+        _ => Dtype::F32,
+    };
+    let shared = Arc::new(Mutex::new(Shared::default()));
+    let x = if x.rank() == 2 { x.clone() } else { x.contiguous()? };
+    let up_op = UpOp { linear: up_op, hidden_dtype, shared: shared.clone() };
+    let token = x.apply_op3(&up.weight.differentiated, &up_bias, up_op)?;
+    let down_op = DownOp { linear: down_op, gradient_dtype: up.out, shared };
+    Ok(Some(token.apply_op3(&down.weight.differentiated, &down_bias, down_op)?))
+}
+
+/// A projection's bias, or for one without, an untracked zero row (no gradient is computed for it).
+fn bias_row(projection: &Projection<'_>, device: &Device) -> Result<Tensor> {
+    match projection.bias {
+        Some(bias) => Ok(bias.clone()),
+        None => Tensor::zeros(projection.weight.differentiated.dim(0)?, DType::F32, device),
+    }
+}
+
+/// What the two ops of one call share.
+#[derive(Default)]
+struct Shared {
+    /// x's dimensions but the last.
+    leading: Vec<usize>,
+    /// The up-projection's product, GELU's input (in the up-projection's output dtype), for GELU's
+    /// slope in the backward pass.
+    pre_activation: Option<CpuStorage>,
+    /// GELU's output, `rows x hidden`, in the dtype the down-projection's GEMM reads.
+    hidden: Option<Tensor>,
+    /// The gradient of the up-projection's product, from the down op's backward pass to the up op's.
+    pre_activation_gradient: Option<Tensor>,
+}
+
+fn lock(shared: &Mutex<Shared>) -> Result<MutexGuard<'_, Shared>> {
+    shared.lock().map_err(|_| candle_core::Error::Msg("amp-mlp: a panic poisoned the shared state".into()))
+}
+
+/// An internal error: `what` is not where the other op of the pair leaves it.
+fn missing(what: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!("amp-mlp: {what} is missing (the pair's ops ran out of order)"))
+}
+
+fn off_the_cpu() -> candle_core::Error {
+    candle_core::Error::Msg("amp-mlp: a tensor of the pair is off the CPU".into())
+}
+
+/// `(x, W_up, b_up) -> token`: the up-projection and GELU, the activation kept in [`Shared`].
+struct UpOp {
+    linear: LinearOp,
+    hidden_dtype: Dtype,
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl CustomOp3 for UpOp {
+    fn name(&self) -> &'static str {
+        "amp-mlp-up"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, [rows, inputs]) = rows_of(s1, l1)?;
+        let (product, hidden) = self.linear.product_of_rows((x, [rows, inputs]), (s2, l2), (s3, l3))?;
+        let len = rows * hidden;
+        let z = elements(&product, &Layout::contiguous(len))?;
+        let activation =
+            new_storage(self.hidden_dtype, len, |at, y| amp_kernels::gelu::forward(part(z, at, y.len()), y));
+        let mut shared = lock(&self.shared)?;
+        shared.leading = l1.dims()[..l1.dims().len() - 1].to_vec();
+        shared.hidden = Some(tensor_of(activation, (rows, hidden))?);
+        shared.pre_activation = Some(product);
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(1)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: &Tensor,
+        _token: &Tensor,
+        _token_grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // Taken, not kept: the down op's backward pass leaves it again before each pass reaches this one.
+        let grad = lock(&self.shared)?
+            .pre_activation_gradient
+            .take()
+            .ok_or_else(|| missing("the hidden activation's gradient"))?;
+        let (dx, dw, db) =
+            self.linear.gradients((x, needs_gradient(x).then_some(x.dtype())), w, bias, &grad)?;
+        Ok((super::gemm::deposit(x, dx)?, dw, db))
+    }
+}
+
+/// `(token, W_down, b_down) -> y`: the down-projection of the activation in [`Shared`].
+struct DownOp {
+    linear: LinearOp,
+    /// The dtype of the hidden activation's gradient: the unfused activation's (the up-projection's
+    /// output dtype).
+    gradient_dtype: DType,
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl CustomOp3 for DownOp {
+    fn name(&self) -> &'static str {
+        "amp-mlp-down"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _token: &CpuStorage,
+        _token_layout: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shared = lock(&self.shared)?;
+        let hidden = shared.hidden.as_ref().ok_or_else(|| missing("the hidden activation"))?;
+        let (guard, layout) = hidden.storage_and_layout();
+        let Storage::Cpu(storage) = &*guard else { return Err(off_the_cpu()) };
+        let (h, dims) = rows_of(storage, layout)?;
+        let (y, outputs) = self.linear.product_of_rows((h, dims), (s2, l2), (s3, l3))?;
+        let mut shape = shared.leading.clone();
+        shape.push(outputs);
+        Ok((y, shape.into()))
+    }
+
+    fn bwd(
+        &self,
+        token: &Tensor,
+        w: &Tensor,
+        bias: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let hidden = lock(&self.shared)?.hidden.clone().ok_or_else(|| missing("the hidden activation"))?;
+        let wanted = needs_gradient(token).then_some(self.gradient_dtype);
+        let (dh, dw, db) = self.linear.gradients((&hidden, wanted), w, bias, grad)?;
+        let Some(dh) = dh else { return Ok((None, dw, db)) };
+        // Back through GELU, for the up op's backward pass, which candle runs next (it takes the token).
+        let mut shared = lock(&self.shared)?;
+        let z = shared.pre_activation.as_ref().ok_or_else(|| missing("the pre-activation"))?;
+        let dz = {
+            let (guard, layout) = dh.storage_and_layout();
+            let Storage::Cpu(dh_storage) = &*guard else { return Err(off_the_cpu()) };
+            super::gelu::gelu_gradient(z, dh_storage, layout)?
+        };
+        shared.pre_activation_gradient = Some(tensor_of(dz, dh.shape().clone())?);
+        Ok((Some(token.zeros_like()?), dw, db))
+    }
+}
+
+/// A tensor on the CPU from a storage of `shape`'s size.
+fn tensor_of(storage: CpuStorage, shape: impl Into<Shape>) -> Result<Tensor> {
+    let device = Device::Cpu;
+    match storage {
+        CpuStorage::F32(v) => Tensor::from_vec(v, shape, &device),
+        CpuStorage::F16(v) => Tensor::from_vec(v, shape, &device),
+        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, &device),
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp-mlp")),
+    }
+}
