@@ -1,6 +1,6 @@
 //! The runtime of amp, re-exported by the `amp` crate: precisions and policies, the [`AmpModule`] trait
 //! and its traversal, precision-aware layers ([`nn`]), parameters with fp32 masters, and
-//! [`initialize`].
+//! [`initialize()`].
 #![warn(missing_docs)]
 
 mod cast_cache;

@@ -83,9 +83,9 @@ pub(crate) enum Epilogue {
     /// `x W^T + b`.
     Identity,
     /// `relu(x W^T + b)`, clamped in place on the product; the backward masks the gradient by the
-    /// output first ([`super::relu`]).
+    /// output first ([`super::relu()`]).
     Relu,
-    /// `gelu(x W^T + b)` ([`super::gelu`]), from the product while it is in cache; the op keeps the
+    /// `gelu(x W^T + b)` ([`super::gelu()`]), from the product while it is in cache; the op keeps the
     /// product (as a separate GELU's node would keep its input) and the backward turns the gradient
     /// into the product's first, without a graph node or a zero-filled sum in between.
     Gelu,

@@ -7,7 +7,7 @@
 //! | matmul-class | [`matmul`], [`linear`], [`scaled_dot_product_attention`] | operands cast to the compute precision; products accumulate in f32 |
 //! | fp32 | [`exp`], [`log`], [`pow`], [`softmax`], [`log_softmax`], [`sum`], [`mean`], [`norm`], [`cumsum`], [`var`], [`std`](fn@std), every [`loss`] | f16/bf16 inputs widened to f32, result f32 |
 //! | promote | [`add`], [`sub`], [`mul`], [`div`], [`cat`], [`stack`], [`maximum`], [`minimum`] | inputs cast to the widest float dtype among them |
-//! | activation | [`gelu`], [`relu`] | computed in f32 in one pass (backward too), result in the input's dtype |
+//! | activation | [`gelu()`], [`relu()`] | computed in f32 in one pass (backward too), result in the input's dtype |
 //!
 //! Why fp32 for the second class: candle reduces in the storage dtype, so on CPU the sum of 10,000 ones
 //! is 2048 in f16 and 256 in bf16 (the accumulator stops growing once the increment is below half an

@@ -44,7 +44,7 @@ static LOOPS: AtomicUsize = AtomicUsize::new(0);
 /// Helpers of any loop inside their loop now, or about to enter it (read by the tests).
 pub(super) static HELPING: AtomicUsize = AtomicUsize::new(0);
 
-/// Set in [`Entry`] once the loop has stopped waiting for its helpers: a copy that comes later stays out.
+/// Set in [`Shared::entry`] once the loop has stopped waiting for its helpers: a copy that comes later stays out.
 const CLOSED: usize = 1 << (usize::BITS - 1);
 
 /// What a loop shares with its helpers.

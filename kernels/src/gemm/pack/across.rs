@@ -79,7 +79,7 @@ const CHUNK_STEPS: usize = 8;
 
 /// The data steps of one panel whose lines are contiguous (`line_stride == 1`), each a run of
 /// `lines.count` elements per `k` into its row of `dst` (`[k-steps][width]`, the padding already
-/// written by [`prepare`]).
+/// written by [`super::prepare`]).
 #[inline(always)]
 pub(super) fn steps_across<S: Source, P: PackInto>(
     src: &[S],
