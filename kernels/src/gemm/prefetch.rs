@@ -1,5 +1,5 @@
-//! Software prefetch: of the packed B micro-panel the next tiles sweep, and of the source runs that
-//! packing reads across lines.
+//! Software prefetch: of the packed B micro-panel the next tiles sweep, of the AMX kernel's next tiles,
+//! and of the source runs that packing reads across lines.
 //!
 //! A B micro-panel stays in L1 while every A micro-panel of a block sweeps it (the AVX2 kernel's), but
 //! the first of those tiles reads all of it from memory, and the hardware prefetchers stop at each 4 KiB
@@ -32,6 +32,14 @@ pub(crate) fn run_to_l1<T>(data: &[T], start: usize, len: usize) {
     let base = data.as_ptr().cast::<u8>().wrapping_add(start * size);
     for at in 0..(len * size).div_ceil(LINE) {
         line::<false>(base.wrapping_add(at * LINE));
+    }
+}
+
+/// Prefetches into L1 the cache lines of the `bytes` bytes from `p` (a hint: never dereferenced).
+#[inline(always)]
+pub(crate) fn bytes_to_l1(p: *const u8, bytes: usize) {
+    for at in (0..bytes).step_by(LINE) {
+        line::<false>(p.wrapping_add(at));
     }
 }
 

@@ -13,6 +13,7 @@ use std::arch::asm;
 
 use super::x86::round_rows_32;
 use super::{Blocking, HalfC, Micro, TileFrom, TransposedTile, AMX_32X32};
+use crate::gemm::prefetch;
 use crate::Isa;
 
 /// AMX `tdpbf16ps`, 32 x 32 tiles. Constructible only where [`Isa::AmxBf16`] runs (the CPU has AMX and
@@ -48,6 +49,9 @@ const GROUP: usize = AMX_32X32.a_group;
 const A_ROW_BYTES: usize = GROUP * 4;
 /// Bytes between rows of a B tile: one step of the 32-column panel.
 const B_ROW_BYTES: usize = AMX_32X32.nr * 4;
+/// Bytes of one group of an A micro-panel (its two A tiles) and of a B micro-panel (its two B tiles).
+const A_GROUP_BYTES: usize = GROUP * AMX_32X32.mr * 4;
+const B_GROUP_BYTES: usize = GROUP * AMX_32X32.nr * 4;
 
 impl Micro for TileAmx {
     type Packed = u32;
@@ -143,7 +147,14 @@ impl TileAmx {
                 ),
                 Start::Zero => zero_quarters(),
             }
-            for group in 0..steps / GROUP {
+            let groups = steps / GROUP;
+            for group in 0..groups {
+                if group + 1 < groups {
+                    // The next group's A and B tiles into L1 while this group's products run: the
+                    // tile loads otherwise wait on L2 at every group.
+                    prefetch::bytes_to_l1(a.add((group + 1) * GROUP * AMX_32X32.mr).cast(), A_GROUP_BYTES);
+                    prefetch::bytes_to_l1(b.add((group + 1) * GROUP * AMX_32X32.nr).cast(), B_GROUP_BYTES);
+                }
                 let a0 = a.add(group * GROUP * AMX_32X32.mr);
                 let a_lines = (a0.cast(), a0.add(16 * GROUP).cast(), A_ROW_BYTES);
                 products(a_lines, b.add(group * GROUP * AMX_32X32.nr));
