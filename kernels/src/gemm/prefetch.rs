@@ -35,7 +35,9 @@ pub(crate) fn run_to_l1<T>(data: &[T], start: usize, len: usize) {
     }
 }
 
-/// Prefetches into L1 the cache lines of the `bytes` bytes from `p` (a hint: never dereferenced).
+/// Prefetches into L1 the cache lines of the `bytes` bytes from `p` (a hint: never dereferenced). For
+/// the AMX kernel, on x86-64 only.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn bytes_to_l1(p: *const u8, bytes: usize) {
     for at in (0..bytes).step_by(LINE) {
