@@ -1,24 +1,28 @@
 //! Column sums of a row-major matrix in f32: the bias gradient of a linear layer (the upstream gradient
 //! summed over its rows), and any reduction over the leading dimension.
 //!
-//! Each column is summed in row order in one f32 accumulator, so the result is deterministic and does
-//! not depend on the thread count; columns are split into blocks run on the current rayon pool, each
-//! block's accumulators held in L1 while the rows stream past (a loop the compiler vectorises; it is
-//! compiled a second time with AVX-512 or AVX2 enabled and chosen at run time).
+//! The rows are split into fixed bands of 32 rows (`BAND`) run on the current rayon pool (each a
+//! contiguous stretch of memory, streamed past its band's sums in L1); each column is summed within a
+//! band in row order in one f32 accumulator, then across bands in band order, so the result is
+//! deterministic and does not depend on the thread count. The loops are plain Rust the compiler
+//! vectorises, compiled a second time with AVX-512 or AVX2 enabled and chosen at run time. A kernel
+//! that produces such a matrix can sum it as it writes it, in the same order: `band_sums` and
+//! `combine_bands` (GELU's backward pass with its bias gradient, `crate::gelu`).
 
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::GradSlice;
 
-/// Columns per block: 1 KiB of f32 accumulators.
-const BLOCK: usize = 256;
+/// Rows per band.
+pub(crate) const BAND: usize = 32;
 
 /// Below this many elements the sums run on the calling thread.
 const PARALLEL_ELEMENTS: usize = 1 << 16;
 
 /// `out[j] = sum over i of src[i * cols + j]` for a row-major `rows x cols` matrix (f16 and bf16
-/// widened exactly), each sum taken in row order in f32.
+/// widened exactly), in f32: within each band of 32 rows in row order, then the bands' sums in band
+/// order (a matrix of at most 32 rows is summed in row order).
 ///
 /// # Panics
 /// If `src.len() != rows * cols` or `out.len() != cols`.
@@ -26,9 +30,28 @@ pub fn column_sums(src: GradSlice<'_>, rows: usize, cols: usize, out: &mut [f32]
     assert_eq!(src.len(), rows * cols, "column_sums: the source is not rows x cols");
     assert_eq!(out.len(), cols, "column_sums: one output per column");
     match src {
-        GradSlice::F32(s) => dispatch(s, rows, cols, out),
-        GradSlice::F16(s) => dispatch(s, rows, cols, out),
-        GradSlice::Bf16(s) => dispatch(s, rows, cols, out),
+        GradSlice::F32(s) => in_bands(s, rows, cols, out),
+        GradSlice::F16(s) => in_bands(s, rows, cols, out),
+        GradSlice::Bf16(s) => in_bands(s, rows, cols, out),
+    }
+}
+
+/// Zeroed sums for every band of a `rows x cols` matrix, band by band (`cols` each): what a band's
+/// rows are added into, in row order.
+pub(crate) fn band_sums(rows: usize, cols: usize) -> Vec<f32> {
+    vec![0f32; rows.div_ceil(BAND) * cols]
+}
+
+/// `out[j]`: the bands' sums of column `j` added in band order (`out` is band 0's where there is one
+/// band, zeros where there is none).
+pub(crate) fn combine_bands(bands: &[f32], cols: usize, out: &mut [f32]) {
+    let mut bands = bands.chunks_exact(cols.max(1));
+    match bands.next() {
+        Some(first) => out.copy_from_slice(first),
+        None => out.fill(0.0),
+    }
+    for band in bands {
+        add(band, out);
     }
 }
 
@@ -57,44 +80,64 @@ impl Widen for bf16 {
     }
 }
 
-fn dispatch<T: Widen>(src: &[T], rows: usize, cols: usize, out: &mut [f32]) {
-    let block = |(b, out): (usize, &mut [f32])| sum_block(src, rows, cols, b * BLOCK, out);
+fn in_bands<T: Widen>(src: &[T], rows: usize, cols: usize, out: &mut [f32]) {
+    if cols == 0 {
+        return;
+    }
+    let mut sums = band_sums(rows, cols);
+    let band = |(rows, sums): (&[T], &mut [f32])| add_rows(rows, sums);
     if rows * cols >= PARALLEL_ELEMENTS {
-        out.par_chunks_mut(BLOCK).enumerate().for_each(block);
+        src.par_chunks(BAND * cols).zip(sums.par_chunks_mut(cols)).for_each(band);
     } else {
-        out.chunks_mut(BLOCK).enumerate().for_each(block);
+        src.chunks(BAND * cols).zip(sums.chunks_mut(cols)).for_each(band);
+    }
+    combine_bands(&sums, cols, out);
+}
+
+widest_vectors! {
+    /// `sums[j] += row[j]` for every row of `rows` (`sums.len()` columns each), in row order.
+    fn add_rows<T: Widen>(rows: &[T], sums: &mut [f32]) => add_rows_any;
+}
+
+#[inline(always)]
+fn add_rows_any<T: Widen>(rows: &[T], sums: &mut [f32]) {
+    for row in rows.chunks_exact(sums.len()) {
+        for (s, &x) in sums.iter_mut().zip(row) {
+            *s += x.widen();
+        }
     }
 }
 
 widest_vectors! {
-    /// Sums columns `first..first + out.len()`.
-    fn sum_block<T: Widen>(src: &[T], rows: usize, cols: usize, first: usize, out: &mut [f32]) => sum_block_any;
+    /// `sums[j] += row[j]`.
+    fn add(row: &[f32], sums: &mut [f32]) => add_any;
 }
 
 #[inline(always)]
-fn sum_block_any<T: Widen>(src: &[T], rows: usize, cols: usize, first: usize, out: &mut [f32]) {
-    let mut acc = [0f32; BLOCK];
-    let acc = &mut acc[..out.len()];
-    for row in src.chunks_exact(cols).take(rows) {
-        for (a, &x) in acc.iter_mut().zip(&row[first..first + out.len()]) {
-            *a += x.widen();
-        }
+fn add_any(row: &[f32], sums: &mut [f32]) {
+    for (s, &x) in sums.iter_mut().zip(row) {
+        *s += x;
     }
-    out.copy_from_slice(acc);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Row-order f32 sums, one column at a time: the definition.
+    /// The definition, one column at a time: f32 sums of each band's rows in row order, then of the
+    /// bands' sums in band order.
     fn reference(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-        (0..cols).map(|j| (0..rows).fold(0f32, |s, i| s + src[i * cols + j])).collect()
+        let band = |j: usize, b: usize| {
+            (b * BAND..rows.min((b + 1) * BAND)).fold(0f32, |s, i| s + src[i * cols + j])
+        };
+        (0..cols).map(|j| (1..rows.div_ceil(BAND)).fold(band(j, 0), |s, b| s + band(j, b))).collect()
     }
 
     #[test]
-    fn every_shape_and_dtype_is_the_row_order_sum_bit_for_bit() {
-        for (rows, cols) in [(0, 3), (1, 1), (3, 5), (7, 257), (300, 513), (1000, 300), (5, 0)] {
+    fn every_shape_and_dtype_is_the_banded_sum_bit_for_bit() {
+        for (rows, cols) in
+            [(0, 3), (1, 1), (3, 5), (7, 257), (32, 9), (33, 9), (300, 513), (1000, 300), (5, 0)]
+        {
             let src: Vec<f32> =
                 (0..rows * cols).map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37e-2).collect();
             let mut out = vec![f32::NAN; cols];

@@ -8,7 +8,8 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 /// `x.sum(0)` in f32 for a matrix `x` `(rows, cols)` of f32, f16 or bf16 (halves widened exactly),
-/// each column summed in row order. Not differentiable itself (it is used inside backward passes).
+/// in the kernel's fixed order (bands of rows, then the bands' sums). Not differentiable itself (it is
+/// used inside backward passes).
 pub(crate) fn column_sums(x: &Tensor) -> Result<Tensor> {
     if !x.device().is_cpu() {
         return x.to_dtype(DType::F32)?.sum(0);

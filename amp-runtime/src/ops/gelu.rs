@@ -10,6 +10,8 @@
 //! read of `x` (and `dy`), one write, the arithmetic in f32 and the result rounded once to the dtype
 //! ([`amp_kernels::gelu`], vectorised for the widest extension the CPU has).
 
+use amp_kernels::{Dtype, GradSliceMut};
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::elementwise::{elements, new_storage, part};
@@ -49,6 +51,30 @@ pub(super) fn gelu_gradient(x: &CpuStorage, dy: &CpuStorage, dy_layout: &Layout)
         let n = dx.len();
         amp_kernels::gelu::backward(part(x, at, n), part(dy, at, n), dx)
     }))
+}
+
+/// `dy * gelu'(x)` for a whole contiguous storage `x`, a `(rows, cols)` matrix, and `dy` of its size,
+/// rounded once to `dtype`, with the f32 sums of the columns of the f32 values (before that rounding)
+/// in row order: a Linear's product's gradient through GELU and the Linear's bias gradient.
+pub(super) fn gelu_gradient_with_column_sums(
+    x: &CpuStorage,
+    dy: &CpuStorage,
+    dy_layout: &Layout,
+    dtype: Dtype,
+    cols: usize,
+) -> Result<(CpuStorage, Vec<f32>)> {
+    let dy = elements(dy, dy_layout)?;
+    let x = elements(x, &Layout::contiguous(dy.len()))?;
+    let mut dx = new_storage(dtype, x.len(), |_, _| {});
+    let dx_slice = match &mut dx {
+        CpuStorage::F32(v) => GradSliceMut::F32(v),
+        CpuStorage::F16(v) => GradSliceMut::F16(v),
+        CpuStorage::BF16(v) => GradSliceMut::Bf16(v),
+        other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp-gelu")),
+    };
+    let mut sums = vec![0f32; cols];
+    amp_kernels::gelu::backward_with_column_sums(x, dy, dx_slice, cols, &mut sums);
+    Ok((dx, sums))
 }
 
 struct Gelu;

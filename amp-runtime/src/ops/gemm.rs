@@ -425,7 +425,8 @@ impl CustomOp3 for LinearOp {
                 &masked
             }
         };
-        let (dx, dw, db) = self.gradients((x, needs_gradient(x).then_some(x.dtype())), w, bias, grad)?;
+        let (dx, dw, db) =
+            self.gradients((x, needs_gradient(x).then_some(x.dtype())), w, (bias, None), grad)?;
         Ok((deposit(x, dx)?, dw, db))
     }
 }
@@ -453,12 +454,13 @@ impl LinearOp {
 
     /// The gradients of `x W^T + b` from the product's gradient `grad`: x's in the dtype asked for
     /// (none when `None`), the weight's and the bias's where they need one, those two handed to the
-    /// gradient sink ([`deposit`]).
+    /// gradient sink ([`deposit`]). The bias's is `grad`'s column sums, or `summed` where the caller
+    /// has them already (from `grad`'s f32 values, where `grad` is kept rounded to half).
     pub(super) fn gradients(
         &self,
         (x, dx_dtype): (&Tensor, Option<DType>),
         w: &Tensor,
-        bias: &Tensor,
+        (bias, summed): (&Tensor, Option<Tensor>),
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // The rows of x and of the gradient as matrices (x is a matrix or contiguous: views).
@@ -489,7 +491,9 @@ impl LinearOp {
                 deposit(w, dw)?
             }
         };
-        let db = needs_gradient(bias).then(|| super::column_sums::column_sums(&grad)).transpose()?;
+        let db = needs_gradient(bias)
+            .then(|| summed.map_or_else(|| super::column_sums::column_sums(&grad), Ok))
+            .transpose()?;
         Ok((dx, dw, deposit(bias, db)?))
     }
 

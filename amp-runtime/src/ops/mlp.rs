@@ -9,11 +9,15 @@
 //! up op ([`UpOp`]) keeps GELU's output in the dtype the down-projection's GEMM reads and returns a
 //! one-element token in its place; the down op ([`DownOp`]) takes the token as its first argument, so
 //! candle runs its backward pass first, and reads the hidden activation from the state the two share.
-//! Its backward pass takes the gradient back through GELU and leaves it there for the up op's.
+//! Its backward pass takes the gradient back through GELU and leaves it there for the up op's, in the
+//! precision the up-projection's backward products read (bf16 under O2 bf16: half the bytes written
+//! and read twice), with the up bias's gradient summed from the f32 values in the same pass
+//! ([`amp_kernels::gelu::backward_with_column_sums`]).
 //!
-//! The values are those of the unfused layers, bit for bit: the stored activation is the value the
-//! down-projection's GEMM reads either way (the unfused one rounds it while packing), and the gradients
-//! pass through the same kernels in the same order, without the zero that candle adds them to.
+//! The values are those of the unfused layers, bit for bit: the stored activation and the stored
+//! gradient are the values the GEMMs read either way (the unfused ones round them while packing), the
+//! bias gradient is summed in the order [`super::column_sums`] sums, and the gradients pass through the
+//! same kernels in the same order, without the zero that candle adds them to.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -22,6 +26,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor};
 
 use super::elementwise::{elements, new_storage, part};
+use super::gelu::{gelu_gradient, gelu_gradient_with_column_sums};
 use super::gemm::{linear_op, needs_gradient, rows_of, LinearOp, Operand};
 use crate::Precision;
 
@@ -49,19 +54,26 @@ pub(crate) fn gelu_mlp(x: &Tensor, up: Projection<'_>, down: Projection<'_>) -> 
     else {
         return Ok(None);
     };
-    // The unfused down-projection reads an f32 activation rounded to its compute precision: stored so
-    // rounded here. A half activation it reads as it is (rounded again if its precision differs).
-    let hidden_dtype = match (up.out, down.compute) {
+    let shared = Arc::new(Mutex::new(Shared::default()));
+    let x = if x.rank() == 2 { x.clone() } else { x.contiguous()? };
+    let hidden_dtype = as_read(up.out, down.compute);
+    let up_op = UpOp { linear: up_op, hidden_dtype, shared: shared.clone() };
+    let token = x.apply_op3(&up.weight.differentiated, &up_bias, up_op)?;
+    let gradient_dtype = (up.out, as_read(up.out, up.compute));
+    let down_op = DownOp { linear: down_op, gradient_dtype, shared };
+    Ok(Some(token.apply_op3(&down.weight.differentiated, &down_bias, down_op)?))
+}
+
+/// The dtype in which a tensor of dtype `dtype`, or the f32 values it would hold, is kept for products
+/// in `compute` to read: the values they read, bit for bit. Those products round an f32 tensor to
+/// their compute precision as they read it (stored so rounded, it is read as it is) and read a half
+/// one as it is (rounded again where their precision differs: kept as it is).
+fn as_read(dtype: DType, compute: Precision) -> Dtype {
+    match (dtype, compute) {
         (DType::BF16, _) | (DType::F32, Precision::Bf16) => Dtype::Bf16,
         (DType::F16, _) | (DType::F32, Precision::Fp16) => Dtype::F16,
         _ => Dtype::F32,
-    };
-    let shared = Arc::new(Mutex::new(Shared::default()));
-    let x = if x.rank() == 2 { x.clone() } else { x.contiguous()? };
-    let up_op = UpOp { linear: up_op, hidden_dtype, shared: shared.clone() };
-    let token = x.apply_op3(&up.weight.differentiated, &up_bias, up_op)?;
-    let down_op = DownOp { linear: down_op, gradient_dtype: up.out, shared };
-    Ok(Some(token.apply_op3(&down.weight.differentiated, &down_bias, down_op)?))
+    }
 }
 
 /// A projection's bias, or for one without, an untracked zero row (no gradient is computed for it).
@@ -82,8 +94,10 @@ struct Shared {
     pre_activation: Option<CpuStorage>,
     /// GELU's output, `rows x hidden`, in the dtype the down-projection's GEMM reads.
     hidden: Option<Tensor>,
-    /// The gradient of the up-projection's product, from the down op's backward pass to the up op's.
-    pre_activation_gradient: Option<Tensor>,
+    /// The gradient of the up-projection's product, from the down op's backward pass to the up op's, in
+    /// the dtype the up-projection's backward products read, and where it is kept rounded from f32,
+    /// the f32 values' column sums (the up bias's gradient).
+    pre_activation_gradient: Option<(Tensor, Option<Tensor>)>,
 }
 
 fn lock(shared: &Mutex<Shared>) -> Result<MutexGuard<'_, Shared>> {
@@ -142,12 +156,12 @@ impl CustomOp3 for UpOp {
         _token_grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // Taken, not kept: the down op's backward pass leaves it again before each pass reaches this one.
-        let grad = lock(&self.shared)?
+        let (grad, summed) = lock(&self.shared)?
             .pre_activation_gradient
             .take()
             .ok_or_else(|| missing("the hidden activation's gradient"))?;
-        let (dx, dw, db) =
-            self.linear.gradients((x, needs_gradient(x).then_some(x.dtype())), w, bias, &grad)?;
+        let dx_dtype = needs_gradient(x).then_some(x.dtype());
+        let (dx, dw, db) = self.linear.gradients((x, dx_dtype), w, (bias, summed), &grad)?;
         Ok((super::gemm::deposit(x, dx)?, dw, db))
     }
 }
@@ -155,9 +169,10 @@ impl CustomOp3 for UpOp {
 /// `(token, W_down, b_down) -> y`: the down-projection of the activation in [`Shared`].
 struct DownOp {
     linear: LinearOp,
-    /// The dtype of the hidden activation's gradient: the unfused activation's (the up-projection's
-    /// output dtype).
-    gradient_dtype: DType,
+    /// The dtypes of the hidden activation's gradient, the unfused activation's (the up-projection's
+    /// output dtype), and of the up-projection's product's, as the up-projection's backward products
+    /// read it.
+    gradient_dtype: (DType, Dtype),
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -195,18 +210,27 @@ impl CustomOp3 for DownOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let hidden = lock(&self.shared)?.hidden.clone().ok_or_else(|| missing("the hidden activation"))?;
-        let wanted = needs_gradient(token).then_some(self.gradient_dtype);
-        let (dh, dw, db) = self.linear.gradients((&hidden, wanted), w, bias, grad)?;
+        let (dh_dtype, dz_dtype) = self.gradient_dtype;
+        let wanted = needs_gradient(token).then_some(dh_dtype);
+        let (dh, dw, db) = self.linear.gradients((&hidden, wanted), w, (bias, None), grad)?;
         let Some(dh) = dh else { return Ok((None, dw, db)) };
         // Back through GELU, for the up op's backward pass, which candle runs next (it takes the token).
         let mut shared = lock(&self.shared)?;
         let z = shared.pre_activation.as_ref().ok_or_else(|| missing("the pre-activation"))?;
-        let dz = {
+        let width = dh.dims().last().copied().unwrap_or(1);
+        let (dz, summed) = {
             let (guard, layout) = dh.storage_and_layout();
             let Storage::Cpu(dh_storage) = &*guard else { return Err(off_the_cpu()) };
-            super::gelu::gelu_gradient(z, dh_storage, layout)?
+            if dh_dtype == DType::F32 {
+                // The up bias's gradient summed from the f32 values, as the unfused layer sums its
+                // f32 gradient, while the gradient is kept as its products read it.
+                let (dz, sums) = gelu_gradient_with_column_sums(z, dh_storage, layout, dz_dtype, width)?;
+                (dz, Some(Tensor::from_vec(sums, width, &Device::Cpu)?))
+            } else {
+                (gelu_gradient(z, dh_storage, layout)?, None)
+            }
         };
-        shared.pre_activation_gradient = Some(tensor_of(dz, dh.shape().clone())?);
+        shared.pre_activation_gradient = Some((tensor_of(dz, dh.shape().clone())?, summed));
         Ok((Some(token.zeros_like()?), dw, db))
     }
 }

@@ -18,6 +18,10 @@ use crate::mul_add::{cpu_fuses, Fused, MulAdd, Separate};
 use crate::slices::Float;
 use crate::{GradSlice, GradSliceMut};
 
+pub use summed::backward_with_column_sums;
+
+mod summed;
+
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const CUBIC: f32 = 0.044_715;
 /// Where `tanh` of GELU's argument is exactly +-1 in f32 (the argument is about 158 there).
