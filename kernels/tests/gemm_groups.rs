@@ -1,11 +1,12 @@
-//! Products in groups (`gemm_new_groups`): each product where `gemm_with` alone would put it, bit for
-//! bit, and what a `Triangle` skips left out without changing a bit of what is kept.
+//! Products in groups (`gemm_new_groups`, and `gemm_groups_into` a C the caller holds): each product
+//! where `gemm_with` alone would put it, bit for bit, and what a `Triangle` skips left out without
+//! changing a bit of what is kept.
 
 mod common;
 
 use amp_kernels::gemm::{
-    gemm_new_groups, gemm_with, Compute, Dims, GemmError, GemmPath, Groups, MatMut, MatRef, NewOutput,
-    OutputType, Placement, Start, Triangle,
+    gemm_groups_into, gemm_new_groups, gemm_with, Compute, Dims, GemmError, GemmPath, Groups, MatMut, MatRef,
+    NewOutput, OutputType, Placement, Start, Triangle,
 };
 use amp_kernels::Dtype;
 use common::{assert_same, Owned, Rng};
@@ -116,6 +117,22 @@ fn each_product_of_a_group_is_what_it_would_be_alone() {
                             gemm_new_groups(path, dims, operands, groups, out_type, compute, Triangle::Full);
                         let what = format!("{path} {dims:?} x{count} {layout:?} {placement:?} {out:?}");
                         assert_same(&what, &to_f32(together.unwrap()), &alone.to_f32());
+                        // Into a NaN-filled C two elements longer: every element written, the rest left.
+                        let len = count * batch * m * n;
+                        let mut into = Owned::new(out, &vec![f32::NAN; len + 2]);
+                        gemm_groups_into(
+                            path,
+                            dims,
+                            operands,
+                            groups,
+                            into.view_mut(),
+                            compute,
+                            Triangle::Full,
+                        )
+                        .unwrap();
+                        let into = into.to_f32();
+                        assert_same(&format!("{what}, into"), &into[..len], &alone.to_f32());
+                        assert!(into[len..].iter().all(|x| x.is_nan()), "{what}: past C");
                     }
                 }
             }
@@ -257,4 +274,28 @@ fn skipping_a_triangle_keeps_every_bit_of_what_it_keeps() {
             }
         }
     }
+}
+
+/// A C too short for the group's products is refused, and nothing is written.
+#[test]
+fn a_c_too_short_for_the_group_is_refused() {
+    let (a, b) = (vec![1.0f32; 4 * 8], vec![1.0f32; 8 * 2]);
+    let dims = Dims::new(4, 2, 4);
+    let operands = (MatRef::row_major(&a[..], 8), MatRef::row_major(&b[..], 2));
+    let groups = Groups { count: 2, a_step: 4, b_step: 0, placement: Placement::SideBySide };
+    let mut c = [7.0f32; 2 * 4 * 2 - 1];
+    let run = gemm_groups_into(
+        GemmPath::Portable,
+        dims,
+        operands,
+        groups,
+        (&mut c[..]).into(),
+        Compute::F32,
+        Triangle::Full,
+    );
+    match run {
+        Err(GemmError::OutOfBounds { operand: "C", needed: 16, len: 15, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(c.iter().all(|&x| x == 7.0), "nothing written");
 }

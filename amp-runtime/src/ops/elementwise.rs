@@ -1,12 +1,33 @@
 //! Storage helpers of amp's CPU ops: their inputs' elements, and new outputs written in parallel blocks.
 
 use amp_kernels::{Dtype, GradSlice, GradSliceMut};
-use candle_core::{CpuStorage, Layout, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 /// The elements of a contiguous f32, f16 or bf16 storage.
 pub(super) fn elements<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<GradSlice<'a>> {
     crate::storage::read_slice(storage, layout).map_err(candle_core::Error::wrap)
+}
+
+/// The elements of an f32, f16 or bf16 storage, to write.
+pub(super) fn elements_mut(storage: &mut CpuStorage) -> Result<GradSliceMut<'_>> {
+    match storage {
+        CpuStorage::F32(v) => Ok(GradSliceMut::F32(v)),
+        CpuStorage::F16(v) => Ok(GradSliceMut::F16(v)),
+        CpuStorage::BF16(v) => Ok(GradSliceMut::Bf16(v)),
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp: f32, f16 or bf16")),
+    }
+}
+
+/// The kernels' name for an f32, f16 or bf16 dtype.
+pub(super) fn kernel_dtype(dtype: DType) -> Result<Dtype> {
+    match dtype {
+        DType::F32 => Ok(Dtype::F32),
+        DType::F16 => Ok(Dtype::F16),
+        DType::BF16 => Ok(Dtype::Bf16),
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(other, "amp: f32, f16 or bf16")),
+    }
 }
 
 /// Elements `start..start + len` of `x`.

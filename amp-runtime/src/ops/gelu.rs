@@ -10,11 +10,10 @@
 //! read of `x` (and `dy`), one write, the arithmetic in f32 and the result rounded once to the dtype
 //! ([`amp_kernels::gelu`], vectorised for the widest extension the CPU has).
 
-use amp_kernels::{Dtype, GradSliceMut};
-use candle_core::backend::BackendStorage;
+use amp_kernels::Dtype;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::elementwise::{elements, new_storage, part};
+use super::elementwise::{elements, elements_mut, new_storage, part};
 
 /// GELU with the tanh approximation (the function of `Tensor::gelu` and of GPT-2 / BERT), `x`'s dtype.
 ///
@@ -66,14 +65,8 @@ pub(super) fn gelu_gradient_with_column_sums(
     let dy = elements(dy, dy_layout)?;
     let x = elements(x, &Layout::contiguous(dy.len()))?;
     let mut dx = new_storage(dtype, x.len(), |_, _| {});
-    let dx_slice = match &mut dx {
-        CpuStorage::F32(v) => GradSliceMut::F32(v),
-        CpuStorage::F16(v) => GradSliceMut::F16(v),
-        CpuStorage::BF16(v) => GradSliceMut::Bf16(v),
-        other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp-gelu")),
-    };
     let mut sums = vec![0f32; cols];
-    amp_kernels::gelu::backward_with_column_sums(x, dy, dx_slice, cols, &mut sums);
+    amp_kernels::gelu::backward_with_column_sums(x, dy, elements_mut(&mut dx)?, cols, &mut sums);
     Ok((dx, sums))
 }
 

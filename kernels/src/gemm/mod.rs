@@ -64,6 +64,8 @@ pub use layout::{Dims, GemmError, Groups, MatMut, MatRef, Placement, Triangle};
 pub(crate) use micro::{tile_peak_loop, tile_step_loop};
 pub use path::{Compute, GemmPath};
 
+use crate::GradSliceMut;
+
 /// `C = start + A·B` on the fastest path this CPU has for `compute` ([`GemmPath::choose`]): `start` is
 /// zero, C itself (`C += A·B`) or a bias row added to every row (a Linear's epilogue, in f32 before C
 /// is rounded).
@@ -225,6 +227,62 @@ pub fn gemm_new_groups(
         OutputType::F16 => NewOutput::F16(new_groups(run)),
         OutputType::Bf16 => NewOutput::Bf16(new_groups(run)),
     })
+}
+
+/// [`gemm_new_groups`] into a C the caller holds: its first `groups.count * batch * m * n` elements,
+/// laid out as `groups.placement` says, every one of them written (what they held is never read).
+/// Attention computes a batch's heads this way where it keeps their results, one batch at a time.
+///
+/// # Errors
+/// As [`gemm_new_groups`], and [`GemmError::OutOfBounds`] (operand "C") if `c` is shorter.
+pub fn gemm_groups_into(
+    path: GemmPath,
+    dims: Dims,
+    (a, b): (MatRef<'_>, MatRef<'_>),
+    groups: Groups,
+    c: GradSliceMut<'_>,
+    compute: Compute,
+    triangle: Triangle,
+) -> Result<(), GemmError> {
+    path.check(compute)?;
+    layout::check_groups(dims, &a, &b, &groups)?;
+    let len = groups
+        .count
+        .checked_mul(dims.n)
+        .and_then(|w| w.checked_mul(dims.m))
+        .and_then(|x| x.checked_mul(dims.batch))
+        .unwrap_or(usize::MAX);
+    if c.len() < len {
+        let (row_stride, batch_stride) = match groups.placement {
+            Placement::SideBySide => (groups.count * dims.n, dims.m * groups.count * dims.n),
+            Placement::Stacked => (dims.n, dims.m * dims.n),
+        };
+        return Err(GemmError::OutOfBounds {
+            operand: "C",
+            rows: dims.m,
+            cols: dims.n,
+            batch: dims.batch,
+            row_stride,
+            col_stride: 1,
+            batch_stride,
+            needed: len,
+            len: c.len(),
+        });
+    }
+    let run = (path, dims, (a, b), &groups, compute, triangle);
+    match c {
+        GradSliceMut::F32(c) => groups_into(run, c),
+        GradSliceMut::F16(c) => groups_into(run, c),
+        GradSliceMut::Bf16(c) => groups_into(run, c),
+    }
+    Ok(())
+}
+
+fn groups_into<T: driver::NewElement>(
+    (path, dims, operands, groups, compute, triangle): GroupsRun<'_, '_>,
+    c: &mut [T],
+) {
+    driver::run_groups_into(path, dims, operands, groups, compute, triangle, c);
 }
 
 /// What [`gemm_new_groups`] hands the driver, for a C of any element type.

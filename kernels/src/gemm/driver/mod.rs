@@ -125,13 +125,53 @@ fn new_dense<T: NewElement>(dims: Dims, len: usize, write: impl FnOnce(Out)) -> 
 pub(crate) fn run_new_groups<T: NewElement>(
     path: GemmPath,
     dims: Dims,
-    (a, b): (MatRef<'_>, MatRef<'_>),
+    operands: (MatRef<'_>, MatRef<'_>),
     groups: &super::Groups,
     compute: Compute,
     triangle: Triangle,
 ) -> Vec<T> {
     let len = groups.count * dims.batch * dims.m * dims.n;
     let mut c: Vec<T> = Vec::with_capacity(len);
+    // SAFETY: the vector has room for the `len` elements written.
+    unsafe { run_groups_at(path, dims, operands, groups, compute, triangle, c.as_mut_ptr()) };
+    // SAFETY: the products' columns (side by side) or matrices (stacked) partition C, and each product
+    // wrote every element of its part, as in `run_new`.
+    unsafe { c.set_len(len) };
+    c
+}
+
+/// [`run_new_groups`] into the first `groups.count * batch * m * n` elements of `c`, all written.
+///
+/// # Panics
+/// If `c` is shorter.
+pub(crate) fn run_groups_into<T: NewElement>(
+    path: GemmPath,
+    dims: Dims,
+    operands: (MatRef<'_>, MatRef<'_>),
+    groups: &super::Groups,
+    compute: Compute,
+    triangle: Triangle,
+    c: &mut [T],
+) {
+    assert!(c.len() >= groups.count * dims.batch * dims.m * dims.n, "C holds every product");
+    // SAFETY: `c` holds the elements written, borrowed mutably for the call.
+    unsafe { run_groups_at(path, dims, operands, groups, compute, triangle, c.as_mut_ptr()) };
+}
+
+/// Writes every one of the `groups.count * batch * m * n` elements of [`run_new_groups`]'s C at `base`.
+///
+/// # Safety
+/// `base` must be valid for writes of that many elements, which nothing else reads or writes during
+/// the call.
+unsafe fn run_groups_at<T: NewElement>(
+    path: GemmPath,
+    dims: Dims,
+    (a, b): (MatRef<'_>, MatRef<'_>),
+    groups: &super::Groups,
+    compute: Compute,
+    triangle: Triangle,
+    base: *mut T,
+) {
     let (row_stride, batch_stride, c_step) = match groups.placement {
         Placement::SideBySide => {
             let width = groups.count * dims.n;
@@ -139,7 +179,6 @@ pub(crate) fn run_new_groups<T: NewElement>(
         }
         Placement::Stacked => (dims.n, dims.m * dims.n, dims.batch * dims.m * dims.n),
     };
-    let base = c.as_mut_ptr();
     let out = |g: usize| Out {
         // Product g's C starts at `g * c_step < len` unless C is empty (an empty batch, m or n), when
         // the job writes nothing.
@@ -161,10 +200,6 @@ pub(crate) fn run_new_groups<T: NewElement>(
     } else {
         run_job(path, whole);
     }
-    // SAFETY: the products' columns (side by side) or matrices (stacked) partition C, and each product
-    // wrote every element of its part, as in `run_new`.
-    unsafe { c.set_len(len) };
-    c
 }
 
 /// An element type of C.
