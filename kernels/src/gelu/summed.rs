@@ -117,75 +117,94 @@ mod tests {
 
     use super::*;
     use crate::reduce::column_sums;
+    use crate::Dtype;
 
-    fn bits<T: Copy>(v: &[T], f: impl Fn(T) -> u32) -> Vec<u32> {
-        v.iter().map(|&x| f(x)).collect()
+    /// Values held in one of the three dtypes.
+    enum Held {
+        F32(Vec<f32>),
+        F16(Vec<f16>),
+        Bf16(Vec<bf16>),
     }
 
-    /// What the pass replaces: GELU's backward into f32, its column sums, then the rounding.
+    impl Held {
+        /// `v` rounded to `dtype`.
+        fn new(dtype: Dtype, v: &[f32]) -> Held {
+            match dtype {
+                Dtype::F32 => Held::F32(v.to_vec()),
+                Dtype::F16 => Held::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
+                Dtype::Bf16 => Held::Bf16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+            }
+        }
+
+        fn view(&self) -> GradSlice<'_> {
+            match self {
+                Held::F32(v) => GradSlice::F32(v),
+                Held::F16(v) => GradSlice::F16(v),
+                Held::Bf16(v) => GradSlice::Bf16(v),
+            }
+        }
+
+        fn view_mut(&mut self) -> GradSliceMut<'_> {
+            match self {
+                Held::F32(v) => GradSliceMut::F32(v),
+                Held::F16(v) => GradSliceMut::F16(v),
+                Held::Bf16(v) => GradSliceMut::Bf16(v),
+            }
+        }
+
+        fn to_f32(&self) -> Vec<f32> {
+            match self {
+                Held::F32(v) => v.clone(),
+                Held::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+                Held::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            }
+        }
+    }
+
+    /// `x` and `dy` rounded to their dtypes, the f32 values they then hold, and the pass's `dx` of its
+    /// dtype (as f32) and sums.
+    fn run(
+        (x, dy): (&[f32], &[f32]),
+        (x_dtype, dy_dtype, dx_dtype): (Dtype, Dtype, Dtype),
+        cols: usize,
+    ) -> ([Vec<f32>; 2], Vec<f32>, Vec<f32>) {
+        let (x, dy) = (Held::new(x_dtype, x), Held::new(dy_dtype, dy));
+        let mut dx = Held::new(dx_dtype, &vec![f32::NAN; x.view().len()]);
+        let mut sums = vec![f32::NAN; cols];
+        backward_with_column_sums(x.view(), dy.view(), dx.view_mut(), cols, &mut sums);
+        ([x.to_f32(), dy.to_f32()], dx.to_f32(), sums)
+    }
+
+    /// What the pass replaces: GELU's backward of the (widened) inputs into f32, its column sums, then
+    /// the rounding to `dx`'s dtype; on a pool of 3 threads.
     #[test]
-    fn is_the_f32_backward_rounded_once_and_its_row_order_column_sums_bit_for_bit() {
+    fn is_the_f32_backward_rounded_once_and_its_column_sums_bit_for_bit() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let dtypes = [
+            (Dtype::F32, Dtype::F32, Dtype::F32),
+            (Dtype::F32, Dtype::F32, Dtype::Bf16),
+            (Dtype::F16, Dtype::Bf16, Dtype::F16),
+            (Dtype::Bf16, Dtype::F32, Dtype::F32),
+        ];
         for (rows, cols) in [(0, 5), (1, 1), (3, 17), (7, 300), (64, 1024), (33, 513)] {
             let n = rows * cols;
             let x: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2003) as f32 - 1001.0) * 7.3e-3).collect();
             let dy: Vec<f32> = (0..n).map(|i| ((i * 104_729 % 1009) as f32 - 504.0) * 1.1e-2).collect();
-            let mut want = vec![0f32; n];
-            crate::gelu::backward(GradSlice::F32(&x), GradSlice::F32(&dy), GradSliceMut::F32(&mut want));
-            let mut want_sums = vec![0f32; cols];
-            column_sums(GradSlice::F32(&want), rows, cols, &mut want_sums);
-            let f32_bits = |v: &[f32]| bits(v, f32::to_bits);
-            pool.install(|| {
-                let mut sums = vec![f32::NAN; cols];
-                let mut dx = vec![f32::NAN; n];
-                backward_with_column_sums(
-                    GradSlice::F32(&x),
-                    GradSlice::F32(&dy),
-                    GradSliceMut::F32(&mut dx),
-                    cols,
-                    &mut sums,
-                );
-                assert_eq!(f32_bits(&dx), f32_bits(&want), "f32 dx {rows} x {cols}");
-                assert_eq!(f32_bits(&sums), f32_bits(&want_sums), "f32 sums {rows} x {cols}");
-
-                let mut dx = vec![bf16::NAN; n];
-                backward_with_column_sums(
-                    GradSlice::F32(&x),
-                    GradSlice::F32(&dy),
-                    GradSliceMut::Bf16(&mut dx),
-                    cols,
-                    &mut sums,
-                );
-                let rounded: Vec<bf16> = want.iter().map(|&v| bf16::from_f32(v)).collect();
-                assert_eq!(bits(&dx, |v| v.to_bits().into()), bits(&rounded, |v| v.to_bits().into()));
-                assert_eq!(f32_bits(&sums), f32_bits(&want_sums), "bf16 sums {rows} x {cols}");
-
-                // Half inputs are widened exactly: the f32 pass over the widened values.
-                let (xh, dyh): (Vec<f16>, Vec<bf16>) = (
-                    x.iter().map(|&v| f16::from_f32(v)).collect(),
-                    dy.iter().map(|&v| bf16::from_f32(v)).collect(),
-                );
-                let (xw, dyw): (Vec<f32>, Vec<f32>) =
-                    (xh.iter().map(|v| v.to_f32()).collect(), dyh.iter().map(|v| v.to_f32()).collect());
+            for dtypes in dtypes {
+                let ([x, dy], dx, sums) = pool.install(|| run((&x, &dy), dtypes, cols));
                 let mut want = vec![0f32; n];
-                crate::gelu::backward(
-                    GradSlice::F32(&xw),
-                    GradSlice::F32(&dyw),
-                    GradSliceMut::F32(&mut want),
-                );
+                crate::gelu::backward(GradSlice::F32(&x), GradSlice::F32(&dy), GradSliceMut::F32(&mut want));
+                let mut want_sums = vec![0f32; cols];
                 column_sums(GradSlice::F32(&want), rows, cols, &mut want_sums);
-                let mut dx = vec![f16::NAN; n];
-                backward_with_column_sums(
-                    GradSlice::F16(&xh),
-                    GradSlice::Bf16(&dyh),
-                    GradSliceMut::F16(&mut dx),
-                    cols,
-                    &mut sums,
-                );
-                let rounded: Vec<f16> = want.iter().map(|&v| f16::from_f32(v)).collect();
-                assert_eq!(bits(&dx, |v| v.to_bits().into()), bits(&rounded, |v| v.to_bits().into()));
-                assert_eq!(f32_bits(&sums), f32_bits(&want_sums), "half sums {rows} x {cols}");
-            });
+                let rounded: Vec<f32> = match dtypes.2 {
+                    Dtype::F32 => want,
+                    Dtype::F16 => want.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+                    Dtype::Bf16 => want.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+                };
+                assert_eq!(bits(&dx), bits(&rounded), "dx {rows} x {cols} {dtypes:?}");
+                assert_eq!(bits(&sums), bits(&want_sums), "sums {rows} x {cols} {dtypes:?}");
+            }
         }
     }
 
