@@ -53,8 +53,9 @@ pub(super) fn gelu_gradient(x: &CpuStorage, dy: &CpuStorage, dy_layout: &Layout)
 }
 
 /// `dy * gelu'(x)` for a whole contiguous storage `x`, a `(rows, cols)` matrix, and `dy` of its size,
-/// rounded once to `dtype`, with the f32 sums of the columns of the f32 values (before that rounding)
-/// in row order: a Linear's product's gradient through GELU and the Linear's bias gradient.
+/// rounded once to `dtype`, with the f32 sums of the columns of the f32 values (before that rounding),
+/// taken as [`super::column_sums`] takes them: a Linear's product's gradient through GELU and the
+/// Linear's bias gradient.
 pub(super) fn gelu_gradient_with_column_sums(
     x: &CpuStorage,
     dy: &CpuStorage,
