@@ -111,7 +111,8 @@ impl InplaceOp1 for Nest<'_, '_, '_> {
     }
 }
 
-fn write_slice<'s>(storage: &'s mut CpuStorage, layout: &Layout) -> Result<GradSliceMut<'s>> {
+/// The elements of a contiguous f32, f16 or bf16 CPU storage, as the kernels write them.
+pub(crate) fn write_slice<'s>(storage: &'s mut CpuStorage, layout: &Layout) -> Result<GradSliceMut<'s>> {
     let (start, end) = layout.contiguous_offsets().ok_or(Error::NotContiguous)?;
     Ok(match storage {
         CpuStorage::F32(v) => GradSliceMut::F32(&mut v[start..end]),

@@ -447,7 +447,8 @@ struct Output {
 fn output_parts(out: Option<&mut Output>, one: Heads, batch: usize) -> Result<Vec<Option<GradSliceMut<'_>>>> {
     let Some(out) = out else { return Ok((0..batch).map(|_| None).collect()) };
     let part = one.rows_len(out.rows, out.cols);
-    Ok(batch_parts(elements_mut(&mut out.storage)?, part, batch).into_iter().map(Some).collect())
+    let data = elements_mut(&mut out.storage, batch * part)?;
+    Ok(batch_parts(data, part, batch).into_iter().map(Some).collect())
 }
 
 /// `data` split into `batch` parts of `part` elements.

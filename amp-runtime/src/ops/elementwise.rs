@@ -1,7 +1,6 @@
 //! Storage helpers of amp's CPU ops: their inputs' elements, and new outputs written in parallel blocks.
 
 use amp_kernels::{Dtype, GradSlice, GradSliceMut};
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
@@ -10,14 +9,9 @@ pub(super) fn elements<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<G
     crate::storage::read_slice(storage, layout).map_err(candle_core::Error::wrap)
 }
 
-/// The elements of an f32, f16 or bf16 storage, to write.
-pub(super) fn elements_mut(storage: &mut CpuStorage) -> Result<GradSliceMut<'_>> {
-    match storage {
-        CpuStorage::F32(v) => Ok(GradSliceMut::F32(v)),
-        CpuStorage::F16(v) => Ok(GradSliceMut::F16(v)),
-        CpuStorage::BF16(v) => Ok(GradSliceMut::Bf16(v)),
-        other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp: f32, f16 or bf16")),
-    }
+/// The first `len` elements of an f32, f16 or bf16 storage, to write.
+pub(super) fn elements_mut(storage: &mut CpuStorage, len: usize) -> Result<GradSliceMut<'_>> {
+    crate::storage::write_slice(storage, &Layout::contiguous(len)).map_err(candle_core::Error::wrap)
 }
 
 /// The kernels' name for an f32, f16 or bf16 dtype.

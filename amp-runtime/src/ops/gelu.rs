@@ -67,7 +67,7 @@ pub(super) fn gelu_gradient_with_column_sums(
     let x = elements(x, &Layout::contiguous(dy.len()))?;
     let mut dx = new_storage(dtype, x.len(), |_, _| {});
     let mut sums = vec![0f32; cols];
-    amp_kernels::gelu::backward_with_column_sums(x, dy, elements_mut(&mut dx)?, cols, &mut sums);
+    amp_kernels::gelu::backward_with_column_sums(x, dy, elements_mut(&mut dx, x.len())?, cols, &mut sums);
     Ok((dx, sums))
 }
 
