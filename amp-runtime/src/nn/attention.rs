@@ -90,6 +90,16 @@ impl MultiHeadAttention {
     /// self-attention when both are the same tensor), masking `j > i` when `causal`. The result has the
     /// output precision of `out_proj`, or `query`'s dtype.
     pub fn attend(&self, query: &Tensor, context: &Tensor, causal: bool) -> Result<Tensor> {
+        if query.id() == context.id() {
+            if let Some(y) = self.fused_self_attention(query, causal)? {
+                return super::cast_output(y, self.out_proj.precision(), query.dtype());
+            }
+        }
+        self.composed(query, context, causal)
+    }
+
+    /// [`MultiHeadAttention::attend`] composed of the projections' and the attention's ops.
+    fn composed(&self, query: &Tensor, context: &Tensor, causal: bool) -> Result<Tensor> {
         let compute = self.compute_precision();
         let q = project(&self.q_proj, query)?;
         let k = project(&self.k_proj, context)?;
@@ -100,19 +110,29 @@ impl MultiHeadAttention {
     }
 }
 
+impl MultiHeadAttention {
+    /// Self-attention of `x` as four ops with `q`, `k`, `v` and the heads' mix outside candle's graph
+    /// ([`ops::self_attention`]: the same values, fewer passes over memory), or `None` where that
+    /// does not apply (not amp's CPU GEMM).
+    fn fused_self_attention(&self, x: &Tensor, causal: bool) -> Result<Option<Tensor>> {
+        let operands = self.projections().map(|p| p.product_operands(x.device()));
+        let [q, k, v, out] = operands;
+        let operands = [q?, k?, v?, out?];
+        let projections = [0, 1, 2, 3].map(|i| {
+            let (weight, bias) = &operands[i];
+            let compute = self.projections()[i].precision().compute;
+            ops::Projection { weight, bias: bias.as_ref(), compute, out: DType::F32 }
+        });
+        ops::self_attention(x, projections, self.num_heads, causal, self.compute_precision())
+    }
+}
+
 /// `x W^T + b` in the projection's compute precision, the f32 sum left in f32 (the next product rounds
 /// it as it reads it).
 fn project(proj: &Linear, x: &Tensor) -> Result<Tensor> {
+    let (weight, bias) = proj.product_operands(x.device())?;
     let compute = proj.precision().compute;
-    let bias = proj.bias().map(|b| b.as_f32_addend(compute, x.device())).transpose()?;
-    ops::linear_to(
-        x,
-        &proj.weight().for_product(compute, x.device())?,
-        bias.as_ref(),
-        compute,
-        DType::F32,
-        ops::Epilogue::Identity,
-    )
+    ops::linear_to(x, &weight, bias.as_ref(), compute, DType::F32, ops::Epilogue::Identity)
 }
 
 impl Module for MultiHeadAttention {
@@ -169,3 +189,6 @@ impl HalfSafe for MultiHeadAttention {}
 impl crate::NoFp16Under<crate::Inherit> for MultiHeadAttention {}
 #[diagnostic::do_not_recommend]
 impl crate::NoFp16Under<crate::AskWide> for MultiHeadAttention {}
+
+#[cfg(test)]
+mod tests;

@@ -4,7 +4,7 @@
 use candle_core::{Module, Result, Tensor};
 
 use super::Linear;
-use crate::ops::mlp::Projection;
+use crate::ops::Projection;
 use crate::Layer;
 
 /// `down(gelu(up(x)))` (GELU's tanh approximation): the values and gradients of

@@ -29,12 +29,12 @@ use amp_kernels::gemm::{
     gemm_groups_into, gemm_new_groups, Compute, Dims, GemmPath, Groups, MatRef, Placement, Triangle,
 };
 use amp_kernels::softmax::{self, Mask};
-use amp_kernels::{GradSlice, GradSliceMut};
+use amp_kernels::{Dtype, GradSlice, GradSliceMut};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::elementwise::{elements, elements_mut, kernel_dtype, new_storage};
+use super::elementwise::{elements, elements_mut, kernel_dtype, new_storage, tensor_of};
 use super::gemm::{deposit, is_float, needs_gradient, output_type, storage_of};
 use super::heads::{merge_heads, split_heads};
 use crate::dispatch::{self, compute_of, MatmulKernel};
@@ -101,18 +101,8 @@ fn fused(heads: Heads, [q, k, v]: [&Tensor; 3], causal: bool, compute: Precision
     if ![q, k, v].iter().all(|t| is_float(t.dtype())) {
         return Ok(None);
     }
-    let MatmulKernel::Amp(path) =
-        dispatch::explain(q.device(), compute, heads.dims(heads.t_q, heads.t_k, heads.d)).kernel
-    else {
+    let Some(op) = AttentionOp::on_amp_gemm(heads, causal, compute, q.device()) else {
         return Ok(None);
-    };
-    let op = AttentionOp {
-        path,
-        compute: compute_of(compute),
-        scale: (1.0 / (heads.d as f64).sqrt()) as f32,
-        causal,
-        heads,
-        probs: Arc::default(),
     };
     Ok(Some(q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)?))
 }
@@ -121,7 +111,7 @@ fn fused(heads: Heads, [q, k, v]: [&Tensor; 3], causal: bool, compute: Precision
 /// `(.., t, d)` operands), each a batch of `batch` matrices; `t_q` queries and `t_k` keys, `d`
 /// features per query and key, `d_v` per value.
 #[derive(Clone, Copy, Debug)]
-struct Heads {
+pub(super) struct Heads {
     groups: usize,
     batch: usize,
     t_q: usize,
@@ -152,7 +142,7 @@ impl Heads {
     }
 
     /// `q` `(batch, t_q, heads * d)`, `k` `(batch, t_k, heads * d)`, `v` `(batch, t_k, heads * d_v)`.
-    fn side_by_side(q: &[usize], k: &[usize], v: &[usize], heads: usize) -> Option<Heads> {
+    pub(super) fn side_by_side(q: &[usize], k: &[usize], v: &[usize], heads: usize) -> Option<Heads> {
         let (&[batch, t_q, qe], &[kb, t_k, ke], &[vb, vt, ve]) = (q, k, v) else { return None };
         let fits = heads > 0
             && (kb, vb, vt, ke) == (batch, batch, t_k, qe)
@@ -234,8 +224,10 @@ fn t((m, step): Grouped<'_>) -> Grouped<'_> {
 }
 
 /// The candle op: `(q, k, v) -> softmax(scale q k^T + mask) v`, the probabilities kept for backward.
+/// [`mod@super::self_attention`] runs it on elements it holds outside candle's graph
+/// ([`AttentionOp::attend`], [`AttentionOp::gradients`]).
 #[derive(Clone, Debug)]
-struct AttentionOp {
+pub(super) struct AttentionOp {
     path: GemmPath,
     compute: Compute,
     scale: f32,
@@ -246,6 +238,29 @@ struct AttentionOp {
 }
 
 impl AttentionOp {
+    /// The op for `heads` (scale `1/sqrt(d)`) where the dispatcher picks amp's GEMM for their products
+    /// in `compute` on `device`; `None` elsewhere.
+    pub(super) fn on_amp_gemm(
+        heads: Heads,
+        causal: bool,
+        compute: Precision,
+        device: &Device,
+    ) -> Option<AttentionOp> {
+        let MatmulKernel::Amp(path) =
+            dispatch::explain(device, compute, heads.dims(heads.t_q, heads.t_k, heads.d)).kernel
+        else {
+            return None;
+        };
+        Some(AttentionOp {
+            path,
+            compute: compute_of(compute),
+            scale: (1.0 / (heads.d as f64).sqrt()) as f32,
+            causal,
+            heads,
+            probs: Arc::default(),
+        })
+    }
+
     fn mask(&self) -> Mask {
         if self.causal {
             Mask::Causal { rows_per_matrix: self.heads.t_q }
@@ -333,26 +348,9 @@ impl CustomOp3 for AttentionOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let h = self.heads;
         let (q, k, v) = (elements(s1, l1)?, elements(s2, l2)?, elements(s3, l3)?);
-        let one = h.one();
-        let (square, mixed_len) = (one.squares_len(), one.rows_len(h.t_q, h.d_v));
-        let mut probs: Vec<f32> = written_in_blocks(h.batch * square, square, |_, _| {});
-        let mut mixed: Vec<f32> = written_in_blocks(h.batch * mixed_len, mixed_len, |_, _| {});
-        // One batch at a time, its heads' scores turned into probabilities and multiplied by `v` while
-        // they are in cache.
-        let each = probs.par_chunks_mut(square.max(1)).zip(mixed.par_chunks_mut(mixed_len.max(1)));
-        each.enumerate().try_for_each(|(b, (probs, mixed))| -> Result<()> {
-            let (q, k, v) = (h.at(q, b, h.t_q, h.d), h.at(k, b, h.t_k, h.d), h.at(v, b, h.t_k, h.d_v));
-            let dims = one.dims(h.t_q, h.t_k, h.d);
-            self.into(dims, (one.q(q), t(one.k(k))), Placement::Stacked, Triangle::LowerC, probs.into())?;
-            softmax::forward_in_place(probs, h.t_k, self.scale, self.mask());
-            let dims = one.dims(h.t_q, h.d_v, h.t_k);
-            let operands = (one.square(probs), one.v(v));
-            self.into(dims, operands, Placement::SideBySide, Triangle::ZeroAboveA, mixed.into())
-        })?;
-        *self.kept()? = Some(probs);
-        Ok((CpuStorage::F32(mixed), h.shape(l1.dims(), h.t_q, h.d_v)))
+        let h = self.heads;
+        Ok((self.attend([q, k, v], Dtype::F32)?, h.shape(l1.dims(), h.t_q, h.d_v)))
     }
 
     fn bwd(
@@ -364,40 +362,72 @@ impl CustomOp3 for AttentionOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.to_dtype(DType::F32)?.contiguous()?;
-        let [dq, dk, dv] = with_slices(&[q, k, v, &grad], |slices| match *slices {
-            [qs, ks, vs, dmixed] => self.gradients([q, k, v], [qs, ks, vs, dmixed]),
+        let wanted = [wanted_gradient(q)?, wanted_gradient(k)?, wanted_gradient(v)?];
+        let grads = with_slices(&[q, k, v, &grad], |slices| match *slices {
+            [qs, ks, vs, dmixed] => self.gradients([qs, ks, vs, dmixed], wanted),
             _ => unreachable!("one slice per tensor"),
         })
         .map_err(candle_core::Error::wrap)??;
+        let h = self.heads;
+        let [dq, dk, dv] = grads;
+        let tensor = |x: &Tensor, storage: Option<CpuStorage>, rows: usize, cols: usize| {
+            storage.map(|s| tensor_of(s, h.shape(x.dims(), rows, cols))).transpose()
+        };
+        let (dq, dk, dv) =
+            (tensor(q, dq, h.t_q, h.d)?, tensor(k, dk, h.t_k, h.d)?, tensor(v, dv, h.t_k, h.d_v)?);
         Ok((deposit(q, dq)?, deposit(k, dk)?, deposit(v, dv)?))
     }
 }
 
 impl AttentionOp {
-    /// The gradients of `q`, `k` and `v` (those that need one) from their elements and the result's
-    /// gradient `dmixed` (f32), one batch at a time: its heads' probabilities' gradient is turned into
-    /// the scores' and multiplied into `dq` and `dk` while it is in cache.
-    fn gradients(
+    /// `softmax(scale q k^T + mask) v` of the elements of `q`, `k` and `v` (any of f32, f16, bf16, laid
+    /// out as [`Heads`] says), in a new storage of `out` (rounded once from the f32 sums); the
+    /// probabilities are kept for [`AttentionOp::gradients`].
+    pub(super) fn attend(&self, [q, k, v]: [GradSlice<'_>; 3], out: Dtype) -> Result<CpuStorage> {
+        let h = self.heads;
+        let one = h.one();
+        let (square, mixed_len) = (one.squares_len(), one.rows_len(h.t_q, h.d_v));
+        let mut probs: Vec<f32> = written_in_blocks(h.batch * square, square, |_, _| {});
+        let mut mixed = new_storage(out, h.batch * mixed_len, |_, _| {});
+        let parts = batch_parts(elements_mut(&mut mixed, h.batch * mixed_len)?, mixed_len, h.batch);
+        // One batch at a time, its heads' scores turned into probabilities and multiplied by `v` while
+        // they are in cache.
+        let each = probs.par_chunks_mut(square.max(1)).zip(parts);
+        each.enumerate().try_for_each(|(b, (probs, mixed))| -> Result<()> {
+            let (q, k, v) = (h.at(q, b, h.t_q, h.d), h.at(k, b, h.t_k, h.d), h.at(v, b, h.t_k, h.d_v));
+            let dims = one.dims(h.t_q, h.t_k, h.d);
+            self.into(dims, (one.q(q), t(one.k(k))), Placement::Stacked, Triangle::LowerC, probs.into())?;
+            softmax::forward_in_place(probs, h.t_k, self.scale, self.mask());
+            let dims = one.dims(h.t_q, h.d_v, h.t_k);
+            let operands = (one.square(probs), one.v(v));
+            self.into(dims, operands, Placement::SideBySide, Triangle::ZeroAboveA, mixed)
+        })?;
+        *self.kept()? = Some(probs);
+        Ok(mixed)
+    }
+
+    /// The gradients of `q`, `k` and `v` in the dtypes `wanted` (none where `None`) from their elements
+    /// and the result's gradient `dmixed` (any of f32, f16, bf16), after [`AttentionOp::attend`], one
+    /// batch at a time: its heads' probabilities' gradient is turned into the scores' and multiplied
+    /// into `dq` and `dk` while it is in cache.
+    pub(super) fn gradients(
         &self,
-        [q, k, v]: [&Tensor; 3],
         [qs, ks, vs, dmixed]: [GradSlice<'_>; 4],
-    ) -> Result<[Option<Tensor>; 3]> {
+        wanted: [Option<Dtype>; 3],
+    ) -> Result<[Option<CpuStorage>; 3]> {
         let h = self.heads;
         let one = h.one();
         let kept = self.kept()?;
         let probs = kept
             .as_deref()
             .ok_or_else(|| candle_core::Error::Msg("amp attention: no kept probabilities".into()))?;
-        let output = |x: &Tensor, rows: usize, cols: usize| -> Result<Option<Output>> {
-            if !needs_gradient(x) {
-                return Ok(None);
-            }
-            let storage =
-                new_storage(kernel_dtype(x.dtype())?, h.batch * one.rows_len(rows, cols), |_, _| {});
-            Ok(Some(Output { storage, rows, cols }))
+        let output = |dtype: Option<Dtype>, rows: usize, cols: usize| -> Option<Output> {
+            let storage = new_storage(dtype?, h.batch * one.rows_len(rows, cols), |_, _| {});
+            Some(Output { storage, rows, cols })
         };
+        let [q_dtype, k_dtype, v_dtype] = wanted;
         let (mut dq, mut dk, mut dv) =
-            (output(q, h.t_q, h.d)?, output(k, h.t_k, h.d)?, output(v, h.t_k, h.d_v)?);
+            (output(q_dtype, h.t_q, h.d), output(k_dtype, h.t_k, h.d), output(v_dtype, h.t_k, h.d_v));
         let dq_parts = output_parts(dq.as_mut(), one, h.batch)?;
         let dk_parts = output_parts(dk.as_mut(), one, h.batch)?;
         let dv_parts = output_parts(dv.as_mut(), one, h.batch)?;
@@ -428,12 +458,13 @@ impl AttentionOp {
             }
             Ok(())
         })?;
-        let tensor = |out: Option<Output>| -> Result<Option<Tensor>> {
-            out.map(|Output { storage, rows, cols }| tensor_of(storage, h.shape(q.dims(), rows, cols)))
-                .transpose()
-        };
-        Ok([tensor(dq)?, tensor(dk)?, tensor(dv)?])
+        Ok([dq, dk, dv].map(|out| out.map(|out| out.storage)))
     }
+}
+
+/// The dtype of `x`'s gradient where it needs one.
+fn wanted_gradient(x: &Tensor) -> Result<Option<Dtype>> {
+    needs_gradient(x).then(|| kernel_dtype(x.dtype())).transpose()
 }
 
 /// A gradient the backward pass writes batch by batch: `rows` rows of `cols` features a head.
@@ -460,17 +491,6 @@ fn batch_parts(mut data: GradSliceMut<'_>, part: usize, batch: usize) -> Vec<Gra
         data = rest;
     }
     parts
-}
-
-/// A CPU tensor of `shape` holding `storage`.
-fn tensor_of(storage: CpuStorage, shape: Shape) -> Result<Tensor> {
-    let cpu = &Device::Cpu;
-    match storage {
-        CpuStorage::F32(v) => Tensor::from_vec(v, shape, cpu),
-        CpuStorage::F16(v) => Tensor::from_vec(v, shape, cpu),
-        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, cpu),
-        other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp attention")),
-    }
 }
 
 #[cfg(test)]

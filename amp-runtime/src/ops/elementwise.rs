@@ -1,7 +1,8 @@
 //! Storage helpers of amp's CPU ops: their inputs' elements, and new outputs written in parallel blocks.
 
 use amp_kernels::{Dtype, GradSlice, GradSliceMut};
-use candle_core::{CpuStorage, DType, Layout, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 /// The elements of a contiguous f32, f16 or bf16 storage.
@@ -46,5 +47,16 @@ pub(super) fn new_storage(
         Dtype::Bf16 => {
             CpuStorage::BF16(written_in_blocks(len, BLOCK, |at, y: &mut [bf16]| write(at, y.into())))
         }
+    }
+}
+
+/// A CPU tensor of `shape` holding `storage` (f32, f16 or bf16, of `shape`'s size).
+pub(super) fn tensor_of(storage: CpuStorage, shape: impl Into<Shape>) -> Result<Tensor> {
+    let cpu = &Device::Cpu;
+    match storage {
+        CpuStorage::F32(v) => Tensor::from_vec(v, shape, cpu),
+        CpuStorage::F16(v) => Tensor::from_vec(v, shape, cpu),
+        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, cpu),
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp: f32, f16 or bf16")),
     }
 }

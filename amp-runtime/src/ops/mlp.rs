@@ -22,36 +22,22 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use amp_kernels::Dtype;
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor};
 
-use super::elementwise::{elements, new_storage, part};
+use super::elementwise::{elements, new_storage, part, tensor_of};
 use super::gelu::{gelu_gradient, gelu_gradient_with_column_sums};
-use super::gemm::{linear_op, needs_gradient, rows_of, LinearOp, Operand};
-use crate::Precision;
-
-/// One of the perceptron's two Linears: its weight as the product reads it, its bias (none: zeros),
-/// its compute precision and its output dtype.
-pub(crate) struct Projection<'a> {
-    pub weight: &'a Operand,
-    pub bias: Option<&'a Tensor>,
-    pub compute: Precision,
-    pub out: DType,
-}
+use super::gemm::{needs_gradient, rows_of, LinearOp};
+use super::projection::{as_read, Projection};
 
 /// `down(gelu(x up^T + b_up))`, fused as the module says where the dispatcher picks amp's GEMM for both
 /// products; `None` otherwise (the caller runs the layers one by one).
 pub(crate) fn gelu_mlp(x: &Tensor, up: Projection<'_>, down: Projection<'_>) -> Result<Option<Tensor>> {
     let rows = x.elem_count() / up.weight.differentiated.dim(1)?.max(1);
     let device = x.device();
-    let Some((up_op, up_bias)) =
-        linear_op((rows, x.dtype(), device), up.weight, &bias_row(&up, device)?, up.compute, up.out)?
-    else {
+    let Some((up_op, up_bias)) = up.op((rows, x.dtype(), device), up.out)? else {
         return Ok(None);
     };
-    let Some((down_op, down_bias)) =
-        linear_op((rows, up.out, device), down.weight, &bias_row(&down, device)?, down.compute, down.out)?
-    else {
+    let Some((down_op, down_bias)) = down.op((rows, up.out, device), down.out)? else {
         return Ok(None);
     };
     let shared = Arc::new(Mutex::new(Shared::default()));
@@ -62,26 +48,6 @@ pub(crate) fn gelu_mlp(x: &Tensor, up: Projection<'_>, down: Projection<'_>) -> 
     let gradient_dtype = (up.out, as_read(up.out, up.compute));
     let down_op = DownOp { linear: down_op, gradient_dtype, shared };
     Ok(Some(token.apply_op3(&down.weight.differentiated, &down_bias, down_op)?))
-}
-
-/// The dtype in which a tensor of dtype `dtype`, or the f32 values it would hold, is kept for products
-/// in `compute` to read: the values they read, bit for bit. Those products round an f32 tensor to
-/// their compute precision as they read it (stored so rounded, it is read as it is) and read a half
-/// one as it is (rounded again where their precision differs: kept as it is).
-fn as_read(dtype: DType, compute: Precision) -> Dtype {
-    match (dtype, compute) {
-        (DType::BF16, _) | (DType::F32, Precision::Bf16) => Dtype::Bf16,
-        (DType::F16, _) | (DType::F32, Precision::Fp16) => Dtype::F16,
-        _ => Dtype::F32,
-    }
-}
-
-/// A projection's bias, or for one without, an untracked zero row (no gradient is computed for it).
-fn bias_row(projection: &Projection<'_>, device: &Device) -> Result<Tensor> {
-    match projection.bias {
-        Some(bias) => Ok(bias.clone()),
-        None => Tensor::zeros(projection.weight.differentiated.dim(0)?, DType::F32, device),
-    }
 }
 
 /// What the two ops of one call share.
@@ -232,16 +198,5 @@ impl CustomOp3 for DownOp {
         };
         shared.pre_activation_gradient = Some((tensor_of(dz, dh.shape().clone())?, summed));
         Ok((Some(token.zeros_like()?), dw, db))
-    }
-}
-
-/// A tensor on the CPU from a storage of `shape`'s size.
-fn tensor_of(storage: CpuStorage, shape: impl Into<Shape>) -> Result<Tensor> {
-    let device = Device::Cpu;
-    match storage {
-        CpuStorage::F32(v) => Tensor::from_vec(v, shape, &device),
-        CpuStorage::F16(v) => Tensor::from_vec(v, shape, &device),
-        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, &device),
-        other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp-mlp")),
     }
 }

@@ -42,8 +42,10 @@ mod layer_norm;
 pub mod loss;
 pub(crate) mod mlp;
 mod padded;
+mod projection;
 mod promote;
 mod relu;
+mod self_attention;
 mod working_values;
 
 pub(crate) use attention::attention_of_heads;
@@ -58,6 +60,7 @@ pub use gelu::gelu;
 pub use gemm::matmul_to;
 pub(crate) use gemm::{Epilogue, Operand};
 pub(crate) use layer_norm::layer_norm;
+pub(crate) use projection::Projection;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 pub use relu::relu;
 pub(crate) use working_values::read_through_master;
@@ -165,17 +168,34 @@ pub(crate) fn linear_to(
 /// `down(gelu(x up^T + b_up) down^T + b_down)` on amp's GEMM with the hidden activation outside
 /// candle's graph ([`mlp`]); `None` where the dispatcher picks another kernel for either product. Refuses
 /// shapes that do not chain as [`check_linear_shapes`] would for each Linear.
-pub(crate) fn gelu_mlp(
-    x: &Tensor,
-    up: mlp::Projection<'_>,
-    down: mlp::Projection<'_>,
-) -> Result<Option<Tensor>> {
+pub(crate) fn gelu_mlp(x: &Tensor, up: Projection<'_>, down: Projection<'_>) -> Result<Option<Tensor>> {
     let features =
         *x.dims().last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
     check_linear_shapes(features, up.weight.differentiated.dims(), up.bias.map(Tensor::dims))?;
     let hidden = up.weight.differentiated.dim(0)?;
     check_linear_shapes(hidden, down.weight.differentiated.dims(), down.bias.map(Tensor::dims))?;
     mlp::gelu_mlp(x, up, down)
+}
+
+/// `out(attention(q(x), k(x), v(x)))` on amp's GEMM with `q`, `k`, `v` and the heads' mix outside
+/// candle's graph ([`mod@self_attention`]), the attention's products in `compute`; `None` where it does
+/// not apply (another kernel, `x` not `(batch, t, embed)`, heads that do not divide the projections).
+/// Refuses shapes that do not chain as [`check_linear_shapes`] would for each Linear.
+pub(crate) fn self_attention(
+    x: &Tensor,
+    [q, k, v, out]: [Projection<'_>; 4],
+    heads: usize,
+    causal: bool,
+    compute: Precision,
+) -> Result<Option<Tensor>> {
+    let features =
+        *x.dims().last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
+    for p in [&q, &k, &v] {
+        check_linear_shapes(features, p.weight.differentiated.dims(), p.bias.map(Tensor::dims))?;
+    }
+    let mixed = v.weight.differentiated.dim(0)?;
+    check_linear_shapes(mixed, out.weight.differentiated.dims(), out.bias.map(Tensor::dims))?;
+    self_attention::self_attention(x, [q, k, v, out], heads, causal, compute)
 }
 
 /// The dtype an fp32-class op computes in: f16 and bf16 widen to f32; f32, f64 and integers stay.

@@ -1,0 +1,261 @@
+//! Self-attention, `out(attention(q(x), k(x), v(x)))`, as four candle ops that hand `q`, `k`, `v` and
+//! the heads' mix to each other outside candle's graph.
+//!
+//! Composed of the four projections' ops and the attention op ([`super::attention`]), self-attention
+//! puts `q`, `k`, `v` and the heads' mix in candle's graph, each `rows x embed` in f32 although the
+//! products that read them round them to their compute precision as they read them; candle's backward
+//! pass gives each a zero-filled gradient to add the next op's into, and sums `x`'s three gradients
+//! into a fourth (on the main job, five passes over 1 MiB for each of these tensors, per layer and
+//! step). Here the `q`, `k` and `v` ops ([`InOp`]) each return a one-element token, and each takes
+//! the previous one's token as its first argument (`q`'s takes `x`); the last op ([`OutOp`]) takes
+//! `v`'s token, attends and projects. candle runs their backward passes in the reverse order: the
+//! last op's first, leaving the gradients of `q`, `k` and `v` for theirs. What the products read is
+//! kept as they read it: `q`, `k`, `v`, the mix and the mix's gradient in the compute precision (bf16
+//! under O2: half the bytes written and read again). The gradients of `q`, `k` and `v` stay in the
+//! projections' output dtype (f32), their column sums being the bias gradients.
+//!
+//! The values are those of the composition, bit for bit: the kept tensors are the values its products
+//! read (rounded once from the same f32 sums), the same kernels run in the same order, and `x`'s
+//! gradient is summed in the order candle sums it there.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use amp_kernels::Dtype;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+
+use super::attention::{AttentionOp, Heads};
+use super::elementwise::{kernel_dtype, tensor_of};
+use super::gemm::{deposit, needs_gradient, rows_of, LinearOp};
+use super::projection::{as_read, candle_dtype, Projection};
+use crate::storage::with_slices;
+use crate::Precision;
+
+/// `out(attention(q(x), k(x), v(x)))` for `x` `(batch, t, embed)` in `heads` heads (causal or not), the
+/// attention's products in `compute`, fused as the module says where the dispatcher picks amp's GEMM
+/// for every product; `None` otherwise (the caller composes the layers). The result is `out`'s
+/// product in its output dtype, `(batch, t, out features)`.
+pub(crate) fn self_attention(
+    x: &Tensor,
+    [q, k, v, out]: [Projection<'_>; 4],
+    heads: usize,
+    causal: bool,
+    compute: Precision,
+) -> Result<Option<Tensor>> {
+    let &[batch, t, _] = x.dims() else { return Ok(None) };
+    let (rows, device) = (batch * t, x.device());
+    let widths = [q.outputs()?, k.outputs()?, v.outputs()?];
+    let shapes = widths.map(|w| [batch, t, w]);
+    let Some(heads) = Heads::side_by_side(&shapes[0], &shapes[1], &shapes[2], heads) else {
+        return Ok(None);
+    };
+    let Some(attention) = AttentionOp::on_amp_gemm(heads, causal, compute, device) else {
+        return Ok(None);
+    };
+    let mut projections = Vec::with_capacity(3);
+    for (role, p) in [&q, &k, &v].into_iter().enumerate() {
+        let kept = candle_dtype(as_read(p.out, compute));
+        let Some((linear, bias)) = p.op((rows, x.dtype(), device), kept)? else { return Ok(None) };
+        projections.push((
+            InOp { role, linear, shared: Arc::default() },
+            p.weight.differentiated.clone(),
+            bias,
+        ));
+    }
+    let mixed = as_read(DType::F32, out.compute);
+    let Some((linear, out_bias)) = out.op((rows, candle_dtype(mixed), device), out.out)? else {
+        return Ok(None);
+    };
+    let x = x.contiguous()?;
+    let shared = Arc::new(Mutex::new(Shared { x: Some(x.clone()), ..Shared::default() }));
+    let mut token = x;
+    for (op, weight, bias) in projections {
+        token = token.apply_op3(&weight, &bias, InOp { shared: shared.clone(), ..op })?;
+    }
+    let out_op = OutOp {
+        attention,
+        linear,
+        shape: (batch, t, widths[2]),
+        mixed,
+        mixed_gradient: candle_dtype(as_read(DType::F32, compute)),
+        gradients: [kernel_dtype(q.out)?, kernel_dtype(k.out)?, kernel_dtype(v.out)?],
+        shared,
+    };
+    Ok(Some(token.apply_op3(&out.weight.differentiated, &out_bias, out_op)?))
+}
+
+/// What the four ops of one call share.
+#[derive(Default)]
+struct Shared {
+    /// The input, contiguous.
+    x: Option<Tensor>,
+    /// `q`, `k` and `v`, `rows x features`, as the attention's products read them.
+    projected: [Option<Tensor>; 3],
+    /// The heads' mix, `rows x features`, as the output projection's products read it.
+    mixed: Option<Tensor>,
+    /// The gradients of `q`, `k` and `v`, from the last op's backward pass to theirs.
+    gradients: [Option<Tensor>; 3],
+    /// x's gradient so far: the sum of those of the projections whose backward passes have run.
+    x_gradient: Option<Tensor>,
+}
+
+fn lock(shared: &Mutex<Shared>) -> Result<MutexGuard<'_, Shared>> {
+    shared
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("amp-self-attention: a panic poisoned the shared state".into()))
+}
+
+/// An internal error: `what` is not where another op of the chain leaves it.
+fn missing(what: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "amp-self-attention: {what} is missing (the chain's ops ran out of order)"
+    ))
+}
+
+const ROLES: [&str; 3] = ["q", "k", "v"];
+
+/// `(x or the previous token, W, b) -> token`: one of the projections `q`, `k`, `v` (`role` 0, 1, 2)
+/// of the input in [`Shared`], kept there.
+struct InOp {
+    role: usize,
+    linear: LinearOp,
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl CustomOp3 for InOp {
+    fn name(&self) -> &'static str {
+        ["amp-self-attention-q", "amp-self-attention-k", "amp-self-attention-v"][self.role]
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let mut shared = lock(&self.shared)?;
+        let ((product, features), rows) = if self.role == 0 {
+            // The first argument is x itself (already locked by candle for this op: read it here).
+            let (x, dims) = rows_of(s1, l1)?;
+            (self.linear.product_of_rows((x, dims), (s2, l2), (s3, l3))?, dims[0])
+        } else {
+            let x = shared.x.as_ref().ok_or_else(|| missing("the input"))?;
+            let (guard, layout) = x.storage_and_layout();
+            let Storage::Cpu(storage) = &*guard else { return Err(off_the_cpu()) };
+            let (x, dims) = rows_of(storage, layout)?;
+            (self.linear.product_of_rows((x, dims), (s2, l2), (s3, l3))?, dims[0])
+        };
+        shared.projected[self.role] = Some(tensor_of(product, (rows, features))?);
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(1)))
+    }
+
+    fn bwd(
+        &self,
+        first: &Tensor,
+        w: &Tensor,
+        bias: &Tensor,
+        _token: &Tensor,
+        _token_grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (x, grad) = {
+            let mut shared = lock(&self.shared)?;
+            let grad = shared.gradients[self.role].take();
+            let grad = grad.ok_or_else(|| missing(&format!("{}'s gradient", ROLES[self.role])))?;
+            (shared.x.clone().ok_or_else(|| missing("the input"))?, grad)
+        };
+        let wanted = needs_gradient(&x).then_some(x.dtype());
+        let (dx, dw, db) = self.linear.gradients((&x, wanted), w, (bias, None), &grad)?;
+        let mut shared = lock(&self.shared)?;
+        // Added to the sum so far as candle adds each consumer's gradient to a node's.
+        let dx = match (shared.x_gradient.take(), dx) {
+            (Some(sum), Some(dx)) => Some((sum + dx)?),
+            (sum, dx) => sum.or(dx),
+        };
+        if self.role == 0 {
+            Ok((deposit(first, dx)?, dw, db))
+        } else {
+            shared.x_gradient = dx;
+            Ok((Some(first.zeros_like()?), dw, db))
+        }
+    }
+}
+
+/// `(v's token, W_out, b_out) -> y`: the attention of the `q`, `k` and `v` in [`Shared`] and its
+/// output projection.
+struct OutOp {
+    attention: AttentionOp,
+    linear: LinearOp,
+    /// `(batch, t, features)` of the heads' mix.
+    shape: (usize, usize, usize),
+    /// The dtype the mix is kept in.
+    mixed: Dtype,
+    /// The dtype the mix's gradient is kept in.
+    mixed_gradient: DType,
+    /// The dtypes of the gradients of `q`, `k` and `v`: the projections' outputs' in the composition.
+    gradients: [Dtype; 3],
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl CustomOp3 for OutOp {
+    fn name(&self) -> &'static str {
+        "amp-self-attention-out"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _token: &CpuStorage,
+        _token_layout: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let mut shared = lock(&self.shared)?;
+        let [q, k, v] = projected(&shared)?;
+        let mixed = with_slices(&[&q, &k, &v], |s| self.attention.attend([s[0], s[1], s[2]], self.mixed))
+            .map_err(candle_core::Error::wrap)??;
+        let (batch, t, features) = self.shape;
+        let layout = Layout::contiguous((batch * t, features));
+        let (y, outputs) = self.linear.product_of_rows(rows_of(&mixed, &layout)?, (s2, l2), (s3, l3))?;
+        shared.mixed = Some(tensor_of(mixed, (batch * t, features))?);
+        Ok((y, Shape::from((batch, t, outputs))))
+    }
+
+    fn bwd(
+        &self,
+        token: &Tensor,
+        w: &Tensor,
+        bias: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (mixed, [q, k, v]) = {
+            let shared = lock(&self.shared)?;
+            (shared.mixed.clone().ok_or_else(|| missing("the heads' mix"))?, projected(&shared)?)
+        };
+        let (dmixed, dw, db) =
+            self.linear.gradients((&mixed, Some(self.mixed_gradient)), w, (bias, None), grad)?;
+        let dmixed = dmixed.ok_or_else(|| missing("the heads' mix's gradient"))?;
+        let grads = with_slices(&[&q, &k, &v, &dmixed], |s| {
+            self.attention.gradients([s[0], s[1], s[2], s[3]], self.gradients.map(Some))
+        })
+        .map_err(candle_core::Error::wrap)??;
+        let mut shared = lock(&self.shared)?;
+        for ((slot, grad), like) in shared.gradients.iter_mut().zip(grads).zip([&q, &k, &v]) {
+            *slot = grad.map(|g| tensor_of(g, like.shape().clone())).transpose()?;
+        }
+        Ok((Some(token.zeros_like()?), dw, db))
+    }
+}
+
+/// `q`, `k` and `v` as the in ops left them.
+fn projected(shared: &Shared) -> Result<[Tensor; 3]> {
+    let [q, k, v] = [0, 1, 2].map(|i| shared.projected[i].clone().ok_or_else(|| missing(ROLES[i])));
+    Ok([q?, k?, v?])
+}
+
+fn off_the_cpu() -> candle_core::Error {
+    candle_core::Error::Msg("amp-self-attention: a tensor of the chain is off the CPU".into())
+}
