@@ -68,7 +68,7 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
+        let x = (x + self.attn.forward_normed(&self.ln1, x)?)?;
         // The MLP's two products and amp's GELU as two ops that pass the hidden activation between
         // them outside candle's graph, kept in the precision the down-projection reads.
         let mlp = gelu_mlp(&self.ln2.forward(&x)?, &self.mlp.up, &self.mlp.down)?;

@@ -17,7 +17,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use crate::lanes::lane_sum;
-use crate::GradSlice;
+use crate::slices::Float;
+use crate::{GradSlice, GradSliceMut};
 
 /// Rows per block of the work split.
 const ROWS_PER_BLOCK: usize = 32;
@@ -58,6 +59,52 @@ pub fn forward_new(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f3
     crate::fresh::written_in_blocks(x.len(), d * ROWS_PER_BLOCK, |start, ys| {
         forward_rows(x, d, weight, bias, eps, start / d, ys);
     })
+}
+
+/// The forward pass into `y` of any of f32, f16 and bf16: each row computed in f32 as [`forward`]
+/// computes it, then rounded to `y`'s dtype (to nearest even), for a consumer that reads it in that
+/// precision (a product that would round the f32 row as it reads it reads the same values).
+///
+/// # Panics
+/// As [`forward`].
+pub fn forward_into(
+    x: GradSlice<'_>,
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    y: GradSliceMut<'_>,
+) {
+    match y {
+        GradSliceMut::F32(y) => forward(x, d, weight, bias, eps, y),
+        GradSliceMut::F16(y) => forward_rounded(x, d, weight, bias, eps, y),
+        GradSliceMut::Bf16(y) => forward_rounded(x, d, weight, bias, eps, y),
+    }
+}
+
+fn forward_rounded<T: Float>(
+    x: GradSlice<'_>,
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    y: &mut [T],
+) {
+    assert_eq!(weight.len(), d, "layer_norm: weight length");
+    assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
+    assert_eq!(x.len(), y.len(), "layer_norm: x and y lengths");
+    assert_whole_rows(x.len(), d);
+    if d == 0 {
+        return;
+    }
+    y.par_chunks_mut(d * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
+        let (mut row, mut out) = (vec![0f32; d], vec![0f32; d]);
+        for (i, y) in ys.chunks_exact_mut(d).enumerate() {
+            let at = (block * ROWS_PER_BLOCK + i) * d;
+            forward_row(widen_row(x, at, &mut row), weight, bias, eps, &mut out);
+            T::narrow(&out, y);
+        }
+    });
 }
 
 /// Rows `first..` of the forward pass into `ys` (whole rows).
@@ -301,6 +348,28 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_half_output_is_the_f32_one_rounded_to_nearest_even() {
+        use half::f16;
+        for (rows, d) in [(0, 4), (1, 1), (3, 7), (70, 256), (33, 1000)] {
+            let (x, w, b) = (values(rows * d, 6, 4.0), values(d, 7, 1.0), values(d, 8, 0.5));
+            let y = forward_new(GradSlice::F32(&x), d, &w, Some(&b), 1e-5);
+            let mut as_f32 = vec![0f32; rows * d];
+            let (mut as_bf16, mut as_f16) = (vec![bf16::ZERO; rows * d], vec![f16::ZERO; rows * d]);
+            forward_into(GradSlice::F32(&x), d, &w, Some(&b), 1e-5, GradSliceMut::F32(&mut as_f32));
+            forward_into(GradSlice::F32(&x), d, &w, Some(&b), 1e-5, GradSliceMut::Bf16(&mut as_bf16));
+            forward_into(GradSlice::F32(&x), d, &w, Some(&b), 1e-5, GradSliceMut::F16(&mut as_f16));
+            assert_eq!(
+                as_f32.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+            for (i, &v) in y.iter().enumerate() {
+                assert_eq!(as_bf16[i].to_bits(), bf16::from_f32(v).to_bits(), "bf16 {rows}x{d} [{i}]");
+                assert_eq!(as_f16[i].to_bits(), f16::from_f32(v).to_bits(), "f16 {rows}x{d} [{i}]");
+            }
+        }
+    }
+
     /// A length that is not whole rows is refused by every entry point (a partial last row was left
     /// out of `y`, `dx` and the weight gradients without a word).
     #[test]
@@ -309,6 +378,11 @@ mod tests {
         let refused = |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
         assert!(refused(&|| forward(GradSlice::F32(&x), 3, &w, None, 1e-5, &mut [0.0; 10])));
         assert!(refused(&|| drop(forward_new(GradSlice::F32(&x), 3, &w, None, 1e-5))));
+        let into_halves = || {
+            let mut halves = vec![bf16::ZERO; 10];
+            forward_into(GradSlice::F32(&x), 3, &w, None, 1e-5, GradSliceMut::Bf16(&mut halves));
+        };
+        assert!(refused(&into_halves));
         let (mut dx, mut dw, mut db) = (vec![0.0; 10], vec![0.0; 3], vec![0.0; 3]);
         assert!(refused(&|| {
             let (dx, dw, db) = (&mut dx.clone(), &mut dw.clone(), &mut db.clone());

@@ -20,7 +20,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::{linear, Linear};
+use super::{linear, LayerNorm, Linear};
 use crate::{
     ops, AmpModule, Cursor, HalfSafe, Layer, Plan, PlanField, PlanNode, Precision, Visitor, VisitorMut,
 };
@@ -91,11 +91,27 @@ impl MultiHeadAttention {
     /// output precision of `out_proj`, or `query`'s dtype.
     pub fn attend(&self, query: &Tensor, context: &Tensor, causal: bool) -> Result<Tensor> {
         if query.id() == context.id() {
-            if let Some(y) = self.fused_self_attention(query, causal)? {
+            if let Some(y) = self.fused_self_attention(query, None, causal)? {
                 return super::cast_output(y, self.out_proj.precision(), query.dtype());
             }
         }
         self.composed(query, context, causal)
+    }
+
+    /// Self-attention of `norm(x)`, causal if [`MultiHeadAttention::with_causal`] said so: the values and
+    /// gradients of `self.forward(&norm.forward(x)?)` bit for bit, the pre-norm transformer's block.
+    /// On amp's CPU GEMM the norm's output stays out of candle's graph as `q`, `k` and `v` do, kept in
+    /// the precision the projections read it in (bf16 under O2): one f32 activation less to store, and
+    /// none for candle's backward pass to zero-fill and add into.
+    ///
+    /// # Errors
+    /// As the norm's and the attention's: an `x` whose last dimension is not the norm's size or the
+    /// projections' input features.
+    pub fn forward_normed(&self, norm: &LayerNorm, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = self.fused_self_attention(x, Some(norm), self.causal)? {
+            return super::cast_output(y, self.out_proj.precision(), x.dtype());
+        }
+        self.forward(&norm.forward(x)?)
     }
 
     /// [`MultiHeadAttention::attend`] composed of the projections' and the attention's ops.
@@ -114,7 +130,12 @@ impl MultiHeadAttention {
     /// Self-attention of `x` as four ops with `q`, `k`, `v` and the heads' mix outside candle's graph
     /// ([`ops::self_attention`]: the same values, fewer passes over memory), or `None` where that
     /// does not apply (not amp's CPU GEMM).
-    fn fused_self_attention(&self, x: &Tensor, causal: bool) -> Result<Option<Tensor>> {
+    fn fused_self_attention(
+        &self,
+        x: &Tensor,
+        norm: Option<&LayerNorm>,
+        causal: bool,
+    ) -> Result<Option<Tensor>> {
         let operands = self.projections().map(|p| p.product_operands(x.device()));
         let [q, k, v, out] = operands;
         let operands = [q?, k?, v?, out?];
@@ -123,7 +144,13 @@ impl MultiHeadAttention {
             let compute = self.projections()[i].precision().compute;
             ops::Projection { weight, bias: bias.as_ref(), compute, out: DType::F32 }
         });
-        ops::self_attention(x, projections, self.num_heads, causal, self.compute_precision())
+        let norm_operands = norm.map(LayerNorm::operands).transpose()?;
+        let norm = norm.zip(norm_operands.as_ref()).map(|(norm, (weight, bias))| ops::Norm {
+            weight,
+            bias: bias.as_ref(),
+            eps: norm.eps(),
+        });
+        ops::self_attention(x, norm.as_ref(), projections, self.num_heads, causal, self.compute_precision())
     }
 }
 

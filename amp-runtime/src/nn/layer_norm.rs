@@ -46,10 +46,23 @@ impl LayerNorm {
     }
 }
 
-impl Module for LayerNorm {
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+impl LayerNorm {
+    /// The weight and the bias as the norm computes with them (fp32).
+    pub(crate) fn operands(&self) -> Result<(Tensor, Option<Tensor>)> {
         let weight = self.weight.in_precision(crate::Precision::Fp32)?;
         let bias = self.bias.as_ref().map(|b| b.in_precision(crate::Precision::Fp32)).transpose()?;
+        Ok((weight, bias))
+    }
+
+    /// `eps`, added to the variance.
+    pub(crate) fn eps(&self) -> f64 {
+        self.eps
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let (weight, bias) = self.operands()?;
         if let Some(y) = crate::ops::layer_norm(xs, &weight, bias.as_ref(), self.eps)? {
             return super::cast_output(y, self.precision, xs.dtype());
         }

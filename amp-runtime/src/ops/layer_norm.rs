@@ -18,6 +18,20 @@ pub(crate) fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Option<Tensor>> {
+    let Some((weight, bias, has_bias)) = operands(x, weight, bias)? else { return Ok(None) };
+    // The op folds x's leading dimensions into rows itself: a reshape each way would be two more graph
+    // nodes, each a zero-filled sum of its size in candle's backward pass.
+    Ok(Some(x.contiguous()?.apply_op3(&weight, &bias, LayerNormOp { eps: eps as f32, has_bias })?))
+}
+
+/// The weight and the bias (zeros, untracked, where there is none) as the op takes them, and whether
+/// there is a bias; `None` off the CPU or for an `x` that is not f32, f16 or bf16. Refuses a weight or
+/// bias of another length than x's features.
+pub(super) fn operands(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Option<(Tensor, Tensor, bool)>> {
     if !x.device().is_cpu() || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
         return Ok(None);
     }
@@ -39,13 +53,11 @@ pub(crate) fn layer_norm(
         Some(b) => (b.to_dtype(DType::F32)?, true),
         None => (weight.zeros_like()?.detach(), false),
     };
-    // The op folds x's leading dimensions into rows itself: a reshape each way would be two more graph
-    // nodes, each a zero-filled sum of its size in candle's backward pass.
-    Ok(Some(x.contiguous()?.apply_op3(&weight, &bias, LayerNormOp { eps: eps as f32, has_bias })?))
+    Ok(Some((weight, bias, has_bias)))
 }
 
 /// The rows and the row length of a contiguous `(.., d)` layout.
-fn rows(layout: &Layout) -> (usize, usize) {
+pub(super) fn rows(layout: &Layout) -> (usize, usize) {
     let d = layout.dims().last().copied().unwrap_or(1);
     (layout.shape().elem_count() / d.max(1), d)
 }
@@ -64,7 +76,7 @@ struct LayerNormBackward {
 }
 
 /// A contiguous f32 vector.
-fn vector<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+pub(super) fn vector<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     match (storage, layout.contiguous_offsets()) {
         (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
         _ => Err(candle_core::Error::Msg("amp layer_norm: weight and bias must be contiguous f32".into())),
@@ -101,12 +113,23 @@ impl CustomOp3 for LayerNormOp {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (rows, _) = rows(x.layout());
-        let all = x.apply_op3_no_bwd(weight, &grad.contiguous()?, &LayerNormBackward { eps: self.eps })?;
-        let dx = all.narrow(0, 0, rows)?.reshape(x.dims())?.to_dtype(x.dtype())?;
-        let (dweight, dbias) = (all.get(rows)?, all.get(rows + 1)?);
+        let (dx, dweight, dbias) = gradients(x, weight, grad, self.eps)?;
         Ok((Some(dx), Some(dweight), self.has_bias.then_some(dbias)))
     }
+}
+
+/// The gradients of the layer norm of `x` (`weight` f32, `eps`) from its output's gradient `grad`:
+/// x's (in x's dtype), the weight's and the bias's.
+pub(super) fn gradients(
+    x: &Tensor,
+    weight: &Tensor,
+    grad: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (rows, _) = rows(x.layout());
+    let all = x.apply_op3_no_bwd(weight, &grad.contiguous()?, &LayerNormBackward { eps })?;
+    let dx = all.narrow(0, 0, rows)?.reshape(x.dims())?.to_dtype(x.dtype())?;
+    Ok((dx, all.get(rows)?, all.get(rows + 1)?))
 }
 
 impl CustomOp3 for LayerNormBackward {

@@ -41,6 +41,7 @@ mod heads;
 mod layer_norm;
 pub mod loss;
 pub(crate) mod mlp;
+mod norm_head;
 mod padded;
 mod projection;
 mod promote;
@@ -60,6 +61,7 @@ pub use gelu::gelu;
 pub use gemm::matmul_to;
 pub(crate) use gemm::{Epilogue, Operand};
 pub(crate) use layer_norm::layer_norm;
+pub(crate) use norm_head::Norm;
 pub(crate) use projection::Projection;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 pub use relu::relu;
@@ -178,11 +180,13 @@ pub(crate) fn gelu_mlp(x: &Tensor, up: Projection<'_>, down: Projection<'_>) -> 
 }
 
 /// `out(attention(q(x), k(x), v(x)))` on amp's GEMM with `q`, `k`, `v` and the heads' mix outside
-/// candle's graph ([`mod@self_attention`]), the attention's products in `compute`; `None` where it does
+/// candle's graph ([`mod@self_attention`]), of `norm(x)` where a layer norm is given (its output
+/// outside the graph too: [`norm_head`]), the attention's products in `compute`; `None` where it does
 /// not apply (another kernel, `x` not `(batch, t, embed)`, heads that do not divide the projections).
 /// Refuses shapes that do not chain as [`check_linear_shapes`] would for each Linear.
 pub(crate) fn self_attention(
     x: &Tensor,
+    norm: Option<&Norm<'_>>,
     [q, k, v, out]: [Projection<'_>; 4],
     heads: usize,
     causal: bool,
@@ -195,7 +199,7 @@ pub(crate) fn self_attention(
     }
     let mixed = v.weight.differentiated.dim(0)?;
     check_linear_shapes(mixed, out.weight.differentiated.dims(), out.bias.map(Tensor::dims))?;
-    self_attention::self_attention(x, [q, k, v, out], heads, causal, compute)
+    self_attention::self_attention(x, norm, [q, k, v, out], heads, causal, compute)
 }
 
 /// The dtype an fp32-class op computes in: f16 and bf16 widen to f32; f32, f64 and integers stay.

@@ -26,6 +26,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, 
 use super::attention::{AttentionOp, Heads};
 use super::elementwise::{kernel_dtype, tensor_of};
 use super::gemm::{deposit, needs_gradient, rows_of, LinearOp};
+use super::norm_head::{self as chain, normed, Norm, SharedLink};
 use super::projection::{as_read, candle_dtype, Projection};
 use crate::storage::with_slices;
 use crate::Precision;
@@ -36,12 +37,17 @@ use crate::Precision;
 /// product in its output dtype, `(batch, t, out features)`.
 pub(crate) fn self_attention(
     x: &Tensor,
+    norm: Option<&Norm<'_>>,
     [q, k, v, out]: [Projection<'_>; 4],
     heads: usize,
     causal: bool,
     compute: Precision,
 ) -> Result<Option<Tensor>> {
     let &[batch, t, _] = x.dims() else { return Ok(None) };
+    if norm.is_some() && x.dtype() != DType::F32 {
+        // The norm's output would be cast to x's dtype between the norm and the projections.
+        return Ok(None);
+    }
     let (rows, device) = (batch * t, x.device());
     let widths = [q.outputs()?, k.outputs()?, v.outputs()?];
     let shapes = widths.map(|w| [batch, t, w]);
@@ -51,23 +57,47 @@ pub(crate) fn self_attention(
     let Some(attention) = AttentionOp::on_amp_gemm(heads, causal, compute, device) else {
         return Ok(None);
     };
+    // The norm's output has x's dtype (f32) in the composition; the projections read it in their
+    // compute precision.
+    let input_gradient = match norm {
+        Some(_) => Some(DType::F32),
+        None => needs_gradient(x).then_some(x.dtype()),
+    };
+    let link = SharedLink::default();
     let mut projections = Vec::with_capacity(3);
     for (role, p) in [&q, &k, &v].into_iter().enumerate() {
         let kept = candle_dtype(as_read(p.out, compute));
         let Some((linear, bias)) = p.op((rows, x.dtype(), device), kept)? else { return Ok(None) };
-        projections.push((
-            InOp { role, linear, shared: Arc::default() },
-            p.weight.differentiated.clone(),
-            bias,
-        ));
+        let op = InOp {
+            role,
+            linear,
+            direct: norm.is_none(),
+            input_gradient,
+            link: link.clone(),
+            shared: Arc::default(),
+        };
+        projections.push((op, p.weight.differentiated.clone(), bias));
     }
     let mixed = as_read(DType::F32, out.compute);
     let Some((linear, out_bias)) = out.op((rows, candle_dtype(mixed), device), out.out)? else {
         return Ok(None);
     };
-    let x = x.contiguous()?;
-    let shared = Arc::new(Mutex::new(Shared { x: Some(x.clone()), ..Shared::default() }));
-    let mut token = x;
+    let mut token = match norm {
+        None => {
+            let x = x.contiguous()?;
+            chain::lock(&link)?.value = Some(x.clone());
+            x
+        }
+        Some(norm) => {
+            let computes = [q.compute, k.compute, v.compute];
+            let read_as = if computes.iter().all(|&c| c == q.compute) { q.compute } else { Precision::Fp32 };
+            let Some(token) = normed(x, norm, as_read(DType::F32, read_as), link.clone())? else {
+                return Ok(None);
+            };
+            token
+        }
+    };
+    let shared = Arc::new(Mutex::new(Shared::default()));
     for (op, weight, bias) in projections {
         token = token.apply_op3(&weight, &bias, InOp { shared: shared.clone(), ..op })?;
     }
@@ -86,16 +116,12 @@ pub(crate) fn self_attention(
 /// What the four ops of one call share.
 #[derive(Default)]
 struct Shared {
-    /// The input, contiguous.
-    x: Option<Tensor>,
     /// `q`, `k` and `v`, `rows x features`, as the attention's products read them.
     projected: [Option<Tensor>; 3],
     /// The heads' mix, `rows x features`, as the output projection's products read it.
     mixed: Option<Tensor>,
     /// The gradients of `q`, `k` and `v`, from the last op's backward pass to theirs.
     gradients: [Option<Tensor>; 3],
-    /// x's gradient so far: the sum of those of the projections whose backward passes have run.
-    x_gradient: Option<Tensor>,
 }
 
 fn lock(shared: &Mutex<Shared>) -> Result<MutexGuard<'_, Shared>> {
@@ -114,10 +140,17 @@ fn missing(what: &str) -> candle_core::Error {
 const ROLES: [&str; 3] = ["q", "k", "v"];
 
 /// `(x or the previous token, W, b) -> token`: one of the projections `q`, `k`, `v` (`role` 0, 1, 2)
-/// of the input in [`Shared`], kept there.
+/// of the input in the link, kept in [`Shared`]. The link's gradient is x's so far: the sum of those
+/// of the projections whose backward passes have run.
+#[derive(Clone)]
 struct InOp {
     role: usize,
     linear: LinearOp,
+    /// Whether `q`'s op takes x itself (else a norm's token, the norm's output in the link).
+    direct: bool,
+    /// The dtype of the input's gradient, where it needs one.
+    input_gradient: Option<DType>,
+    link: SharedLink,
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -135,19 +168,18 @@ impl CustomOp3 for InOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let mut shared = lock(&self.shared)?;
-        let ((product, features), rows) = if self.role == 0 {
+        let ((product, features), rows) = if self.role == 0 && self.direct {
             // The first argument is x itself (already locked by candle for this op: read it here).
             let (x, dims) = rows_of(s1, l1)?;
             (self.linear.product_of_rows((x, dims), (s2, l2), (s3, l3))?, dims[0])
         } else {
-            let x = shared.x.as_ref().ok_or_else(|| missing("the input"))?;
+            let x = chain::lock(&self.link)?.value.clone().ok_or_else(|| missing("the input"))?;
             let (guard, layout) = x.storage_and_layout();
             let Storage::Cpu(storage) = &*guard else { return Err(off_the_cpu()) };
             let (x, dims) = rows_of(storage, layout)?;
             (self.linear.product_of_rows((x, dims), (s2, l2), (s3, l3))?, dims[0])
         };
-        shared.projected[self.role] = Some(tensor_of(product, (rows, features))?);
+        lock(&self.shared)?.projected[self.role] = Some(tensor_of(product, (rows, features))?);
         Ok((CpuStorage::F32(vec![0.0]), Shape::from(1)))
     }
 
@@ -159,24 +191,19 @@ impl CustomOp3 for InOp {
         _token: &Tensor,
         _token_grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (x, grad) = {
-            let mut shared = lock(&self.shared)?;
-            let grad = shared.gradients[self.role].take();
-            let grad = grad.ok_or_else(|| missing(&format!("{}'s gradient", ROLES[self.role])))?;
-            (shared.x.clone().ok_or_else(|| missing("the input"))?, grad)
-        };
-        let wanted = needs_gradient(&x).then_some(x.dtype());
-        let (dx, dw, db) = self.linear.gradients((&x, wanted), w, (bias, None), &grad)?;
-        let mut shared = lock(&self.shared)?;
+        let grad = lock(&self.shared)?.gradients[self.role].take();
+        let grad = grad.ok_or_else(|| missing(&format!("{}'s gradient", ROLES[self.role])))?;
+        let x = chain::lock(&self.link)?.value.clone().ok_or_else(|| missing("the input"))?;
+        let (dx, dw, db) = self.linear.gradients((&x, self.input_gradient), w, (bias, None), &grad)?;
+        let mut link = chain::lock(&self.link)?;
         // Added to the sum so far as candle adds each consumer's gradient to a node's.
-        let dx = match (shared.x_gradient.take(), dx) {
+        link.gradient = match (link.gradient.take(), dx) {
             (Some(sum), Some(dx)) => Some((sum + dx)?),
             (sum, dx) => sum.or(dx),
         };
-        if self.role == 0 {
-            Ok((deposit(first, dx)?, dw, db))
+        if self.role == 0 && self.direct {
+            Ok((deposit(first, link.gradient.take())?, dw, db))
         } else {
-            shared.x_gradient = dx;
             Ok((Some(first.zeros_like()?), dw, db))
         }
     }

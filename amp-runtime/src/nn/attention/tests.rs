@@ -9,7 +9,7 @@ use candle_nn::VarMap;
 
 use super::{multi_head_attention, MultiHeadAttention};
 use crate::dispatch::{with_override, Override};
-use crate::nn::{linear, linear_no_bias};
+use crate::nn::{layer_norm, linear, linear_no_bias, LayerNorm};
 use crate::optim::{AdamConfig, FusedAdamW, ParamGroups};
 use crate::scaler::ScalerConfig;
 use crate::varmap::SeededInit;
@@ -119,6 +119,66 @@ fn fused_self_attention_is_the_composition_bit_for_bit() -> Result<()> {
     Ok(())
 }
 
+/// A seeded layer norm over the attention's features, with a weight and bias away from 1 and 0.
+fn norm() -> Result<LayerNorm> {
+    let varmap = VarMap::new();
+    let vb = SeededInit::new(4).var_builder(&varmap, DType::F32, &Device::Cpu);
+    let ln = layer_norm(EMBED, 1e-5, vb)?;
+    for (param, shift) in [(ln.weight(), 1.0), (ln.bias().expect("a bias"), 0.0)] {
+        let noise = (Tensor::randn(0f32, 0.3, EMBED, &Device::Cpu)? + shift)?;
+        param.trainable().set(&noise)?;
+    }
+    Ok(ln)
+}
+
+/// As [`outputs`] for `attn(norm(x))`, with the norm's parameters' gradients.
+fn normed_outputs(
+    attn: &MultiHeadAttention,
+    ln: &LayerNorm,
+    x: &Tensor,
+    g: &Tensor,
+    fused: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let y = if fused {
+        attn.forward_normed(ln, x)?
+    } else {
+        let normed = ln.forward(x)?;
+        attn.composed(&normed, &normed, attn.is_causal())?
+    };
+    let grads = (y.to_dtype(DType::F32)? * g)?.sum_all()?.backward()?;
+    let mut all = vec![("y".to_string(), y)];
+    if let Some(dx) = grads.get(x) {
+        all.push(("dx".to_string(), dx.clone()));
+    }
+    all.extend(parameter_gradients(attn, &grads)?);
+    for (what, param) in [("weight", ln.weight()), ("bias", ln.bias().expect("a bias"))] {
+        let grad = param.grad("ln", &grads).map_err(candle_core::Error::wrap)?;
+        all.push((format!("ln.{what}"), grad.expect("the norm's gradient").clone()));
+    }
+    Ok(all)
+}
+
+#[test]
+fn normed_self_attention_is_the_norm_then_the_composition_bit_for_bit() -> Result<()> {
+    let paths = [Override::Auto, Override::Path(GemmPath::Portable), Override::Path(GemmPath::AmxBf16Model)];
+    for config in configs() {
+        for over in paths {
+            for (biases, causal, shape) in [(true, true, [2, 9, EMBED]), (false, false, [3, 5, EMBED])] {
+                let attn = attention(config, biases, causal)?;
+                let ln = norm()?;
+                let x = Var::from_tensor(&(Tensor::randn(0f32, 2.0, &shape, &Device::Cpu)? + 0.5)?)?;
+                let g = Tensor::randn(0f32, 1.0, &shape, &Device::Cpu)?;
+                let run = |fused| with_override(over, || normed_outputs(&attn, &ln, &x, &g, fused));
+                let fused = run(true).map_err(candle_core::Error::wrap)??;
+                let apart = run(false).map_err(candle_core::Error::wrap)??;
+                let what = format!("normed {config:?} {over:?} biases {biases} causal {causal} {shape:?}");
+                assert_same(&what, &fused, &apart)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn the_fused_ops_replace_the_composition_in_the_graph() -> Result<()> {
     let attn = attention(AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(Precision::Bf16), true, true)?;
@@ -130,6 +190,11 @@ fn the_fused_ops_replace_the_composition_in_the_graph() -> Result<()> {
     };
     assert_eq!(activations(attn.composed(&x, &x, true)?), 5);
     assert_eq!(activations(attn.forward(&x)?), 1);
+    // With the norm: the norm's output joins them in the composition, not in the fused ops.
+    let ln = norm()?;
+    let normed = ln.forward(&x)?;
+    assert_eq!(activations(attn.composed(&normed, &normed, true)?), 6);
+    assert_eq!(activations(attn.forward_normed(&ln, &x)?), 1);
     Ok(())
 }
 
