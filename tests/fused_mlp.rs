@@ -9,7 +9,7 @@
 mod common;
 
 use amp::dispatch::{self, Override};
-use amp::nn::{gelu_mlp, linear, linear_no_bias, Linear};
+use amp::nn::{gelu_mlp, gelu_mlp_normed, layer_norm, linear, linear_no_bias, LayerNorm, Linear};
 use amp::optim::{AdamConfig, FusedAdamW, ParamGroups};
 use amp::scaler::ScalerConfig;
 use amp::varmap::SeededInit;
@@ -117,6 +117,67 @@ fn the_fused_perceptron_is_the_two_layers_bit_for_bit_at_every_level() -> Result
             assert_same(&format!("{config:?}, biases {biases}"), &fused, &apart)?;
         }
     }
+    Ok(())
+}
+
+/// The output, x's gradient and every parameter's gradient of `sum(y * g)` for the perceptron of
+/// `ln(x)`: `gelu_mlp_normed` (fused) or the norm and the two layers one after the other.
+fn normed_outputs(
+    ln: &LayerNorm,
+    (up, down): (&Linear, &Linear),
+    x: &Var,
+    g: &Tensor,
+    fused: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let y =
+        if fused { gelu_mlp_normed(ln, x, up, down)? } else { forward(up, down, &ln.forward(x)?, false)? };
+    let grads = (y.to_dtype(DType::F32)? * g)?.sum_all()?.backward()?;
+    let mut all = vec![("y".to_string(), y), ("dx".to_string(), grads.get(x).expect("x's gradient").clone())];
+    let params = [("up.weight", up.weight()), ("down.weight", down.weight()), ("ln.weight", ln.weight())];
+    let biases = [("up.bias", up.bias()), ("down.bias", down.bias()), ("ln.bias", ln.bias())];
+    for (name, param) in params.into_iter().chain(biases.into_iter().filter_map(|(n, b)| Some((n, b?)))) {
+        let grad = param.grad(name, &grads).map_err(candle_core::Error::wrap)?;
+        all.push((name.to_string(), grad.expect("a gradient").clone()));
+    }
+    Ok(all)
+}
+
+#[test]
+fn the_normed_perceptron_is_the_norm_and_the_two_layers_bit_for_bit_at_every_level() -> Result<()> {
+    let varmap = VarMap::new();
+    let ln = layer_norm(FEATURES, 1e-5, SeededInit::new(8).var_builder(&varmap, DType::F32, &Device::Cpu))?;
+    ln.weight().trainable().set(&(common::randn_in(21, &[FEATURES], 0.3, DType::F32)? + 1.0)?)?;
+    ln.bias().expect("a bias").trainable().set(&common::randn_in(22, &[FEATURES], 0.3, DType::F32)?)?;
+    for config in configs() {
+        for (biases, shape) in [(true, &[3usize, 5, FEATURES][..]), (false, &[7, FEATURES][..])] {
+            let model = model(config, biases)?;
+            let x = Var::from_tensor(&(common::randn_in(23, shape, 2.0, DType::F32)? + 0.5)?)?;
+            let mut out_shape = shape.to_vec();
+            *out_shape.last_mut().expect("dims") = FEATURES;
+            let g = common::randn_in(24, &out_shape, 1.0, DType::F32)?;
+            let fused = normed_outputs(&ln, (&model.up, &model.down), &x, &g, true)?;
+            let apart = normed_outputs(&ln, (&model.up, &model.down), &x, &g, false)?;
+            assert_same(&format!("normed {config:?}, biases {biases}"), &fused, &apart)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_norms_output_and_the_hidden_activation_stay_out_of_the_graph() -> Result<()> {
+    let varmap = VarMap::new();
+    let ln = layer_norm(FEATURES, 1e-5, SeededInit::new(8).var_builder(&varmap, DType::F32, &Device::Cpu))?;
+    let model = model(AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(Precision::Bf16), true)?;
+    let x = Var::from_tensor(&common::randn_in(25, &[2, 6, FEATURES], 1.0, DType::F32)?)?;
+    // Activations: the norm's output, the hidden one and the result apart; the result alone fused.
+    let activations = |y: Tensor| {
+        y.sorted_nodes()
+            .into_iter()
+            .filter(|t| !t.is_variable() && t.elem_count() >= 2 * 6 * FEATURES)
+            .count()
+    };
+    assert_eq!(activations(forward(&model.up, &model.down, &ln.forward(&x)?, false)?), 3);
+    assert_eq!(activations(gelu_mlp_normed(&ln, &x, &model.up, &model.down)?), 1);
     Ok(())
 }
 

@@ -3,8 +3,8 @@
 
 use candle_core::{Module, Result, Tensor};
 
-use super::Linear;
-use crate::ops::Projection;
+use super::{LayerNorm, Linear};
+use crate::ops::{Norm, Projection};
 use crate::Layer;
 
 /// `down(gelu(up(x)))` (GELU's tanh approximation): the values and gradients of
@@ -36,11 +36,36 @@ use crate::Layer;
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn gelu_mlp(x: &Tensor, up: &Linear, down: &Linear) -> Result<Tensor> {
+    match fused(x, None, up, down)? {
+        Some(y) => Ok(y),
+        None => down.forward(&up.forward_gelu(x)?),
+    }
+}
+
+/// [`gelu_mlp`] of `norm(x)`: the values and gradients of `gelu_mlp(&norm.forward(x)?, up, down)`, bit
+/// for bit, the pre-norm transformer's MLP. On amp's CPU GEMM the norm's output stays out of candle's
+/// graph as the hidden activation does, kept in the precision the up-projection reads it in (bf16
+/// under O2), with no gradient for candle's backward pass to zero-fill and add into.
+///
+/// # Errors
+/// As the norm's and [`gelu_mlp`]'s.
+pub fn gelu_mlp_normed(norm: &LayerNorm, x: &Tensor, up: &Linear, down: &Linear) -> Result<Tensor> {
+    let (weight, bias) = norm.operands()?;
+    let operands = Norm { weight: &weight, bias: bias.as_ref(), eps: norm.eps() };
+    match fused(x, Some(&operands), up, down)? {
+        Some(y) => Ok(y),
+        None => gelu_mlp(&norm.forward(x)?, up, down),
+    }
+}
+
+/// The fused perceptron ([`crate::ops::gelu_mlp`]) where it runs.
+fn fused(x: &Tensor, norm: Option<&Norm<'_>>, up: &Linear, down: &Linear) -> Result<Option<Tensor>> {
     let (up_weight, up_bias) = up.product_operands(x.device())?;
     let (down_weight, down_bias) = down.product_operands(x.device())?;
     let hidden_dtype = up.output_dtype(x.dtype());
-    let fused = crate::ops::gelu_mlp(
+    crate::ops::gelu_mlp(
         x,
+        norm,
         Projection {
             weight: &up_weight,
             bias: up_bias.as_ref(),
@@ -53,9 +78,5 @@ pub fn gelu_mlp(x: &Tensor, up: &Linear, down: &Linear) -> Result<Tensor> {
             compute: down.precision().compute,
             out: down.output_dtype(hidden_dtype),
         },
-    )?;
-    match fused {
-        Some(y) => Ok(y),
-        None => down.forward(&up.forward_gelu(x)?),
-    }
+    )
 }

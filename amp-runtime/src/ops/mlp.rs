@@ -27,11 +27,22 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, S
 use super::elementwise::{elements, new_storage, part, tensor_of};
 use super::gelu::{gelu_gradient, gelu_gradient_with_column_sums};
 use super::gemm::{needs_gradient, rows_of, LinearOp};
+use super::norm_head::{self as chain, normed, Norm, SharedLink};
 use super::projection::{as_read, Projection};
 
-/// `down(gelu(x up^T + b_up))`, fused as the module says where the dispatcher picks amp's GEMM for both
-/// products; `None` otherwise (the caller runs the layers one by one).
-pub(crate) fn gelu_mlp(x: &Tensor, up: Projection<'_>, down: Projection<'_>) -> Result<Option<Tensor>> {
+/// `down(gelu(x up^T + b_up))`, of `norm(x)` where a layer norm is given ([`super::norm_head`]),
+/// fused as the module says where the dispatcher picks amp's GEMM for both products; `None` otherwise
+/// (the caller runs the layers one by one).
+pub(crate) fn gelu_mlp(
+    x: &Tensor,
+    norm: Option<&Norm<'_>>,
+    up: Projection<'_>,
+    down: Projection<'_>,
+) -> Result<Option<Tensor>> {
+    if norm.is_some() && x.dtype() != DType::F32 {
+        // The norm's output would be cast to x's dtype between the norm and the up-projection.
+        return Ok(None);
+    }
     let rows = x.elem_count() / up.weight.differentiated.dim(1)?.max(1);
     let device = x.device();
     let Some((up_op, up_bias)) = up.op((rows, x.dtype(), device), up.out)? else {
@@ -40,11 +51,20 @@ pub(crate) fn gelu_mlp(x: &Tensor, up: Projection<'_>, down: Projection<'_>) -> 
     let Some((down_op, down_bias)) = down.op((rows, up.out, device), down.out)? else {
         return Ok(None);
     };
+    let (first, head) = match norm {
+        None => (if x.rank() == 2 { x.clone() } else { x.contiguous()? }, None),
+        Some(norm) => {
+            let link = SharedLink::default();
+            let Some(token) = normed(x, norm, as_read(DType::F32, up.compute), link.clone())? else {
+                return Ok(None);
+            };
+            (token, Some(link))
+        }
+    };
     let shared = Arc::new(Mutex::new(Shared::default()));
-    let x = if x.rank() == 2 { x.clone() } else { x.contiguous()? };
     let hidden_dtype = as_read(up.out, down.compute);
-    let up_op = UpOp { linear: up_op, hidden_dtype, shared: shared.clone() };
-    let token = x.apply_op3(&up.weight.differentiated, &up_bias, up_op)?;
+    let up_op = UpOp { linear: up_op, hidden_dtype, head, shared: shared.clone() };
+    let token = first.apply_op3(&up.weight.differentiated, &up_bias, up_op)?;
     let gradient_dtype = (up.out, as_read(up.out, up.compute));
     let down_op = DownOp { linear: down_op, gradient_dtype, shared };
     Ok(Some(token.apply_op3(&down.weight.differentiated, &down_bias, down_op)?))
@@ -79,10 +99,14 @@ fn off_the_cpu() -> candle_core::Error {
     candle_core::Error::Msg("amp-mlp: a tensor of the pair is off the CPU".into())
 }
 
-/// `(x, W_up, b_up) -> token`: the up-projection and GELU, the activation kept in [`Shared`].
+/// `(x or a norm's token, W_up, b_up) -> token`: the up-projection and GELU, the activation kept in
+/// [`Shared`].
 struct UpOp {
     linear: LinearOp,
     hidden_dtype: Dtype,
+    /// Where the input is read and its gradient left when a norm's op heads the pair (its first
+    /// argument is then the norm's token); `None` when the first argument is x itself.
+    head: Option<SharedLink>,
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -100,6 +124,18 @@ impl CustomOp3 for UpOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let linked = match &self.head {
+            Some(link) => Some(chain::lock(link)?.value.clone().ok_or_else(|| missing("the norm's output"))?),
+            None => None,
+        };
+        let guard = linked.as_ref().map(Tensor::storage_and_layout);
+        let (s1, l1) = match &guard {
+            Some((guard, layout)) => match &**guard {
+                Storage::Cpu(storage) => (storage, *layout),
+                _ => return Err(off_the_cpu()),
+            },
+            None => (s1, l1),
+        };
         let (x, [rows, inputs]) = rows_of(s1, l1)?;
         let (product, hidden) = self.linear.product_of_rows((x, [rows, inputs]), (s2, l2), (s3, l3))?;
         let len = rows * hidden;
@@ -126,9 +162,16 @@ impl CustomOp3 for UpOp {
             .pre_activation_gradient
             .take()
             .ok_or_else(|| missing("the hidden activation's gradient"))?;
-        let dx_dtype = needs_gradient(x).then_some(x.dtype());
-        let (dx, dw, db) = self.linear.gradients((x, dx_dtype), w, (bias, summed), &grad)?;
-        Ok((super::gemm::deposit(x, dx)?, dw, db))
+        let Some(link) = &self.head else {
+            let dx_dtype = needs_gradient(x).then_some(x.dtype());
+            let (dx, dw, db) = self.linear.gradients((x, dx_dtype), w, (bias, summed), &grad)?;
+            return Ok((super::gemm::deposit(x, dx)?, dw, db));
+        };
+        // The norm's output's gradient (f32, the output's dtype in the composition), for its op.
+        let normed = chain::lock(link)?.value.clone().ok_or_else(|| missing("the norm's output"))?;
+        let (dx, dw, db) = self.linear.gradients((&normed, Some(DType::F32)), w, (bias, summed), &grad)?;
+        chain::lock(link)?.gradient = dx;
+        Ok((Some(x.zeros_like()?), dw, db))
     }
 }
 

@@ -168,15 +168,21 @@ pub(crate) fn linear_to(
 }
 
 /// `down(gelu(x up^T + b_up) down^T + b_down)` on amp's GEMM with the hidden activation outside
-/// candle's graph ([`mlp`]); `None` where the dispatcher picks another kernel for either product. Refuses
+/// candle's graph ([`mlp`]), of `norm(x)` where a layer norm is given (its output outside the graph
+/// too: [`norm_head`]); `None` where the dispatcher picks another kernel for either product. Refuses
 /// shapes that do not chain as [`check_linear_shapes`] would for each Linear.
-pub(crate) fn gelu_mlp(x: &Tensor, up: Projection<'_>, down: Projection<'_>) -> Result<Option<Tensor>> {
+pub(crate) fn gelu_mlp(
+    x: &Tensor,
+    norm: Option<&Norm<'_>>,
+    up: Projection<'_>,
+    down: Projection<'_>,
+) -> Result<Option<Tensor>> {
     let features =
         *x.dims().last().ok_or_else(|| candle_core::Error::Msg("linear: x has no dimensions".into()))?;
     check_linear_shapes(features, up.weight.differentiated.dims(), up.bias.map(Tensor::dims))?;
     let hidden = up.weight.differentiated.dim(0)?;
     check_linear_shapes(hidden, down.weight.differentiated.dims(), down.bias.map(Tensor::dims))?;
-    mlp::gelu_mlp(x, up, down)
+    mlp::gelu_mlp(x, norm, up, down)
 }
 
 /// `out(attention(q(x), k(x), v(x)))` on amp's GEMM with `q`, `k`, `v` and the heads' mix outside
