@@ -518,6 +518,53 @@ fn run_from(path: GemmPath, case: &Case, x: &Inputs, bias: Option<&[f32]>) -> Ve
     c.to_f32()
 }
 
+/// On AMX a product whose A is bf16 with `k` contiguous and whose tiles are all whole (`m` and `n`
+/// multiples of 32, `k` of 32) reads A's rows where they lie; the same values with A stored the other
+/// way take the packed path. The two give the same bits, on the model and on the hardware, for every
+/// start and output type, batched or not, and are within the bound. A's rows are padded with NaN (a
+/// read past `k` would show); shapes with a partial tile take the packed path either way.
+#[test]
+fn amx_products_reading_a_in_place_match_the_packed_path_bit_for_bit() {
+    let paths = [GemmPath::AmxBf16Model, GemmPath::AmxBf16].into_iter().filter(|p| p.is_supported());
+    let shapes = [(1, 96, 32, 32), (2, 128, 64, 96), (1, 160, 96, 256), (2, 96, 40, 64), (1, 100, 64, 64)];
+    let stored = |case: &Case, seed: u64| {
+        let (mut rng, Dims { batch, m, n, k }) = (Rng(seed), case.dims);
+        let a = Stored::new(&rng.vec(batch * m * k, -6, 6), case.a.0, (batch, m, k), case.a.1, 3);
+        let b = Stored::new(&rng.vec(batch * k * n, -6, 6), case.b.0, (batch, k, n), case.b.1, 0);
+        Inputs { a, b, c0: rng.vec(batch * m * n, -6, 6) }
+    };
+    let mut rng = Rng(31);
+    for path in paths {
+        for (batch, m, n, k) in shapes {
+            for (out, accumulate) in
+                [(Dtype::F32, false), (Dtype::Bf16, true), (Dtype::F16, false), (Dtype::F32, true)]
+            {
+                let dims = Dims { batch, m, n, k };
+                let in_place = Case {
+                    dims,
+                    a: (Dtype::Bf16, false),
+                    b: (Dtype::Bf16, false),
+                    out,
+                    compute: Compute::Bf16,
+                    accumulate,
+                };
+                let packed = Case { a: (Dtype::Bf16, true), ..in_place };
+                let seed = rng.next_u64();
+                let (x, y) = (stored(&in_place, seed), stored(&packed, seed));
+                let bias = rng.vec(n, -2, 2);
+                for bias in [None, Some(&bias[..])] {
+                    let got = run_from(path, &in_place, &x, bias);
+                    let what = format!("{path} {in_place:?} bias {}", bias.is_some());
+                    assert_same(&what, &got, &run_from(path, &packed, &y, bias));
+                    if bias.is_none() {
+                        assert_within_bound(path, &in_place, &x, &got);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// On AMX a product of at most 64 rows whose B is bf16 with `k` contiguous (a Linear's weight) reads B
 /// where it lies, its tiles computing `C^T`; the same values with B stored the other way take the
 /// packed path. The two give the same bits, on the model and on the hardware, for every start and

@@ -375,6 +375,19 @@ impl<'a> Job<'a> {
         item / batch * step + item % batch * batch_stride
     }
 
+    /// Whether the micro-kernel reads A where it lies ([`Micro::tile_in_place`]) instead of from packed
+    /// panels: a kernel that can, A's lines bf16 rows with `k` contiguous, and every tile whole (`m`
+    /// and `n` multiples of the tile, `k` of the kernel's group of steps, no triangle).
+    fn a_in_place<M: Micro>(&self, steps: usize) -> bool {
+        M::A_IN_PLACE
+            && matches!(self.a.data, crate::GradSlice::Bf16(_))
+            && self.a.col_stride == 1
+            && self.dims.m.is_multiple_of(M::B.mr)
+            && self.dims.n.is_multiple_of(M::B.nr)
+            && self.dims.k == steps * <M::Packed as PackInto>::K_PER_STEP
+            && self.triangle == Triangle::Full
+    }
+
     fn run<M: Micro>(&self, micro: M)
     where
         M::Packed: PackInto,
@@ -400,9 +413,11 @@ impl<'a> Job<'a> {
         // alternated with A packed whole first, five rounds: fp32 and bf16 steps 0.94-1.01x the time
         // (median 0.97x); the GEMM bench's weight-gradient products +3-6% (one quiet before/after pair).
         // Not under a triangle, whose panels skip steps.
-        let a_per_block = !b_per_block && n_blocks == 1 && self.triangle == Triangle::Full;
+        let a_in_place = self.a_in_place::<M>(steps);
+        let a_per_block = !a_in_place && !b_per_block && n_blocks == 1 && self.triangle == Triangle::Full;
         let (mut a_words, mut b_words) = PACKED.take();
-        let a_len = if a_per_block { 0 } else { batch * m.div_ceil(M::B.mr) * steps * M::B.mr };
+        let a_whole = batch * m.div_ceil(M::B.mr) * steps * M::B.mr;
+        let a_len = if a_per_block || a_in_place { 0 } else { a_whole };
         let b_len = if b_per_block { 0 } else { batch * n.div_ceil(M::B.nr) * steps * M::B.nr };
         {
             let a_packed = M::Packed::from_words(cache_aligned(&mut a_words, a_len));
@@ -415,7 +430,7 @@ impl<'a> Job<'a> {
                 (first, first + count)
             };
             let a_op = (&self.a, self.spacing.a);
-            if !a_per_block {
+            if !a_per_block && !a_in_place {
                 self.pack(a_op, a_lines, (M::B.mr, steps, M::B.a_group), &a_steps, a_packed, parallel);
             }
             if !b_per_block {
@@ -427,7 +442,7 @@ impl<'a> Job<'a> {
             // Consecutive blocks share the larger packed operand's panels: rayon hands each thread a
             // contiguous range of blocks, as it did of panels when packing, so each thread mostly reads
             // the panels it packed (from its own L2) and the larger operand is split between threads.
-            let columns_outer = b_len > a_len;
+            let columns_outer = b_len > if a_in_place { a_whole } else { a_len };
             let block = |i: usize| {
                 let (batch, rest) = (i / (m_blocks * n_blocks), i % (m_blocks * n_blocks));
                 let (row, col) = if columns_outer {

@@ -136,6 +136,14 @@ impl Job<'_> {
             return;
         }
         let (a_panels, b_panels) = (self.dims.m.div_ceil(M::B.mr), self.dims.n.div_ceil(M::B.nr));
+        // A's rows where they lie, for a kernel that reads them in place: the block's first row.
+        let a_rows = match self.a.data {
+            crate::GradSlice::Bf16(a) if self.a_in_place::<M>(steps) => {
+                let origin = self.origin(blk.batch, self.a.batch_stride, self.spacing.a);
+                Some(a[origin + blk.row * self.a.row_stride..].as_ptr().cast::<u16>())
+            }
+            _ => None,
+        };
         micro.begin();
         let (b_tiles, a_tiles) = (blk.cols.div_ceil(M::B.nr), blk.rows.div_ceil(M::B.mr));
         let mut block_b = if b_per_block { BLOCK_B.take() } else { Vec::new() };
@@ -144,7 +152,9 @@ impl Job<'_> {
             let kc = M::B.kc.min(steps - k0);
             // A micro-panel `p` of this k-block, from step `first`: in the panels packed before the
             // blocks, or in this block's own, packed now.
-            let (a_base, a_stride, a_origin): (&[M::Packed], usize, usize) = if a_per_block {
+            let (a_base, a_stride, a_origin): (&[M::Packed], usize, usize) = if a_rows.is_some() {
+                (&[], 0, 0)
+            } else if a_per_block {
                 let words = &mut cache_aligned(&mut block_a, M::B.mc * M::B.kc)[..a_tiles * kc * M::B.mr];
                 let own = M::Packed::from_words(words);
                 self.pack_a_block(blk, (k0, kc), (M::B.mr, M::B.a_group), own);
@@ -202,8 +212,27 @@ impl Job<'_> {
                         // Nothing to add, and the tile holds its sums so far.
                         continue;
                     }
-                    let a = a_panel(ip, first).as_ptr();
                     let b = b.wrapping_add((first - k0) * M::B.nr);
+                    if let Some(rows) = a_rows {
+                        // Every tile is whole here (`a_in_place`): rows `ip * MR ..` from step `first`.
+                        let lda = self.a.row_stride;
+                        let a = rows
+                            .wrapping_add(ip * M::B.mr * lda + first * <M::Packed as PackInto>::K_PER_STEP);
+                        let from = match row {
+                            Some(row) => TileFrom::Row(row[jp * M::B.nr..].as_ptr()),
+                            None if load => TileFrom::Tile,
+                            None => TileFrom::Zero,
+                        };
+                        let to_half = half
+                            .filter(|_| last_block)
+                            .map(|(out, ldo)| (out.wrapping_add(ip * M::B.mr * ldo + jp * M::B.nr), ldo));
+                        let tile = c.wrapping_add(ip * M::B.mr * ldc + jp * M::B.nr);
+                        // SAFETY: as below; A's 32 rows from `a` hold the tile's `2 * kc` values of
+                        // `k` (k is `2 * steps`, the rows lie inside A: layout::check).
+                        unsafe { micro.tile_in_place(kc, (a, lda), b, (tile, ldc), from, to_half) };
+                        continue;
+                    }
+                    let a = a_panel(ip, first).as_ptr();
                     // SAFETY: the tile's origin is inside the block (caller), panels hold `kc` steps from
                     // `first` (packed for every step a tile reads: `Kept`), the micro-kernel exists only
                     // where it runs, and `begin` was called above.

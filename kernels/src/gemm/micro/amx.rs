@@ -68,10 +68,30 @@ impl Micro for TileAmx {
         unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) }
     }
 
+    const A_IN_PLACE: bool = true;
+
     unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
         let start = if load { Start::C } else { Start::Zero };
         // SAFETY: the caller's guarantee.
-        unsafe { self.run(steps, a, b, c, ldc, start) }
+        unsafe { self.run(steps, ALines::Panel(a), b, c, ldc, start) }
+    }
+
+    unsafe fn tile_in_place<H: HalfC>(
+        self,
+        steps: usize,
+        (a, lda): (*const u16, usize),
+        b: *const u32,
+        (c, ldc): (*mut f32, usize),
+        from: TileFrom,
+        half: Option<(*mut H, usize)>,
+    ) {
+        // SAFETY: the caller's guarantee; as in `tile_to_half` for the rounding.
+        unsafe {
+            self.run(steps, ALines::Rows(a, lda), b, c, ldc, Start::of(from));
+            if let Some((out, ldo)) = half {
+                round_rows_32(AMX_32X32.mr, (c, ldc), (out.cast::<u16>(), ldo), H::BF16);
+            }
+        }
     }
 
     unsafe fn tile_from_row(
@@ -84,7 +104,7 @@ impl Micro for TileAmx {
         row: *const f32,
     ) {
         // SAFETY: the caller's guarantee; `row` holds the tile's 32 columns.
-        unsafe { self.run(steps, a, b, c, ldc, Start::Row(row)) }
+        unsafe { self.run(steps, ALines::Panel(a), b, c, ldc, Start::Row(row)) }
     }
 
     unsafe fn tile_to_half<H: HalfC>(
@@ -96,15 +116,10 @@ impl Micro for TileAmx {
         from: TileFrom,
         (out, ldo): (*mut H, usize),
     ) {
-        let start = match from {
-            TileFrom::Zero => Start::Zero,
-            TileFrom::Tile => Start::C,
-            TileFrom::Row(row) => Start::Row(row),
-        };
         // SAFETY: the caller's guarantee; `Isa::AmxBf16` runs only where AVX512-BF16 does, so AVX-512 is
         // there for the rounding.
         unsafe {
-            self.run(steps, a, b, c, ldc, start);
+            self.run(steps, ALines::Panel(a), b, c, ldc, Start::of(from));
             round_rows_32(AMX_32X32.mr, (c, ldc), (out.cast::<u16>(), ldo), H::BF16);
         }
     }
@@ -121,12 +136,65 @@ enum Start {
     Row(*const f32),
 }
 
-impl TileAmx {
-    /// [`Micro::tile`] with its start.
+impl Start {
+    fn of(from: TileFrom) -> Start {
+        match from {
+            TileFrom::Zero => Start::Zero,
+            TileFrom::Tile => Start::C,
+            TileFrom::Row(row) => Start::Row(row),
+        }
+    }
+}
+
+/// Where a tile's 32 A lines are: a packed micro-panel (groups of 32 lines x 16 pairs), or bf16 rows
+/// `lda` values apart read in place.
+#[derive(Clone, Copy)]
+enum ALines {
+    Panel(*const u32),
+    Rows(*const u16, usize),
+}
+
+impl ALines {
+    /// Group `g`'s two A tiles (lines 0..16 and 16..32) and the bytes between their rows.
     ///
     /// # Safety
-    /// As [`Micro::tile`]; a `Start::Row` pointer is valid for 32 floats.
-    unsafe fn run(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, start: Start) {
+    /// The group lies inside the panel or the rows.
+    unsafe fn group(self, g: usize) -> (*const u8, *const u8, usize) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            match self {
+                ALines::Panel(a) => {
+                    let a0 = a.add(g * GROUP * AMX_32X32.mr);
+                    (a0.cast(), a0.add(16 * GROUP).cast(), A_ROW_BYTES)
+                }
+                ALines::Rows(a, lda) => {
+                    let a0 = a.add(g * 2 * GROUP);
+                    (a0.cast(), a0.add(16 * lda).cast(), 2 * lda)
+                }
+            }
+        }
+    }
+
+    /// Group `g`'s lines into L1 ahead of their products (a packed group is contiguous; rows read in
+    /// place are left to the hardware's prefetcher).
+    ///
+    /// # Safety
+    /// As [`ALines::group`].
+    unsafe fn prefetch(self, g: usize) {
+        if let ALines::Panel(a) = self {
+            // SAFETY: the caller's guarantee.
+            unsafe { prefetch::bytes_to_l1(a.add(g * GROUP * AMX_32X32.mr).cast(), A_GROUP_BYTES) };
+        }
+    }
+}
+
+impl TileAmx {
+    /// [`Micro::tile`] with its start and its A lines.
+    ///
+    /// # Safety
+    /// As [`Micro::tile`] (or [`Micro::tile_in_place`] for rows read in place); a `Start::Row`
+    /// pointer is valid for 32 floats.
+    unsafe fn run(self, steps: usize, a: ALines, b: *const u32, c: *mut f32, ldc: usize, start: Start) {
         debug_assert_eq!(steps % GROUP, 0, "AMX panels are padded to whole groups");
         let c_row_bytes = ldc * 4;
         // SAFETY (whole body): `begin` configured the tiles on this thread; C holds 32 rows of 32 floats
@@ -152,12 +220,10 @@ impl TileAmx {
                 if group + 1 < groups {
                     // The next group's A and B tiles into L1 while this group's products run: the
                     // tile loads otherwise wait on L2 at every group.
-                    prefetch::bytes_to_l1(a.add((group + 1) * GROUP * AMX_32X32.mr).cast(), A_GROUP_BYTES);
+                    a.prefetch(group + 1);
                     prefetch::bytes_to_l1(b.add((group + 1) * GROUP * AMX_32X32.nr).cast(), B_GROUP_BYTES);
                 }
-                let a0 = a.add(group * GROUP * AMX_32X32.mr);
-                let a_lines = (a0.cast(), a0.add(16 * GROUP).cast(), A_ROW_BYTES);
-                products(a_lines, b.add(group * GROUP * AMX_32X32.nr));
+                products(a.group(group), b.add(group * GROUP * AMX_32X32.nr));
             }
             store_quarters(c, c_row_bytes);
         }

@@ -239,6 +239,30 @@ pub(crate) trait Micro: Copy + Send + Sync {
         }
     }
 
+    /// Whether the kernel reads A where it lies ([`Micro::tile_in_place`]) when A's lines are bf16 rows
+    /// with `k` contiguous: AMX loads its A tiles from any row stride, so the driver need not copy them
+    /// into panels first.
+    const A_IN_PLACE: bool = false;
+
+    /// The tile from `from` (into the f32 tile at `c`, or with `half`, rounded into half C from there)
+    /// with A's `MR` lines read where they lie: bf16 rows `lda` values apart from `a`, each holding the
+    /// tile's `2 * steps` values of `k` contiguously. Only called where [`Micro::A_IN_PLACE`] holds.
+    ///
+    /// # Safety
+    /// As [`Micro::tile`] and [`Micro::tile_to_half`], with A's rows valid for those reads.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile_in_place<H: HalfC>(
+        self,
+        _steps: usize,
+        _a: (*const u16, usize),
+        _b: *const Self::Packed,
+        _c: (*mut f32, usize),
+        _from: TileFrom,
+        _half: Option<(*mut H, usize)>,
+    ) {
+        unreachable!("the driver reads A in place only for a kernel with A_IN_PLACE");
+    }
+
     /// Prepares this thread before a block's tiles (AMX loads its tile configuration). Nothing for the
     /// register kernels.
     fn begin(self) {}

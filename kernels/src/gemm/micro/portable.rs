@@ -1,7 +1,7 @@
 //! Micro-kernels in plain Rust: f32 FMA chains, and the software models of the zmm FMA, `vdpbf16ps`
 //! and AMX kernels.
 
-use super::{Blocking, Micro, TransposedTile, AMX_32X32, F32_6X16, F32_6X64, PAIRS_6X64};
+use super::{Blocking, HalfC, Micro, TileFrom, TransposedTile, AMX_32X32, F32_6X16, F32_6X64, PAIRS_6X64};
 use crate::gemm::dpbf16::{dpbf16_pair, tdpbf16_pair};
 
 /// f32 fused multiply-adds, 6 x 16 tiles (LLVM vectorises the 16 columns where it can).
@@ -98,6 +98,30 @@ impl Micro for DotModel {
 impl Micro for TileModel {
     type Packed = u32;
     const B: Blocking = AMX_32X32;
+    const A_IN_PLACE: bool = true;
+
+    unsafe fn tile_in_place<H: HalfC>(
+        self,
+        steps: usize,
+        a: (*const u16, usize),
+        b: *const u32,
+        (c, ldc): (*mut f32, usize),
+        from: TileFrom,
+        half: Option<(*mut H, usize)>,
+    ) {
+        // The lines gathered into a panel, then the packed tile: the model of reading them in place.
+        // SAFETY: the caller's guarantees, the panel holding `steps` steps of MR lines.
+        unsafe {
+            let panel = Self::gathered(steps, a);
+            let a = panel.as_ptr();
+            match (half, from) {
+                (Some(out), from) => self.tile_to_half(steps, a, b, (c, ldc), from, out),
+                (None, TileFrom::Zero) => self.tile(steps, a, b, c, ldc, false),
+                (None, TileFrom::Tile) => self.tile(steps, a, b, c, ldc, true),
+                (None, TileFrom::Row(row)) => self.tile_from_row(steps, a, b, c, ldc, row),
+            }
+        }
+    }
 
     unsafe fn tile(self, steps: usize, a: *const u32, b: *const u32, c: *mut f32, ldc: usize, load: bool) {
         const MR: usize = AMX_32X32.mr;
@@ -120,6 +144,28 @@ impl Micro for TileModel {
                 }
             }
         }
+    }
+}
+
+impl TileModel {
+    /// A's `MR` lines of `steps` pairs, read in place (bf16 rows `lda` values apart), as the AMX panel
+    /// holds them: groups of `GROUP` steps, line by line.
+    ///
+    /// # Safety
+    /// Each of the `MR` rows from `a` holds `2 * steps` values.
+    unsafe fn gathered(steps: usize, (a, lda): (*const u16, usize)) -> Vec<u32> {
+        const MR: usize = AMX_32X32.mr;
+        const GROUP: usize = AMX_32X32.a_group;
+        let mut panel = vec![0u32; steps * MR];
+        for r in 0..MR {
+            // SAFETY: the caller's guarantee.
+            let row = unsafe { std::slice::from_raw_parts(a.add(r * lda), 2 * steps) };
+            for (s, pair) in row.chunks_exact(2).enumerate() {
+                panel[(s / GROUP) * MR * GROUP + r * GROUP + s % GROUP] =
+                    u32::from(pair[0]) | u32::from(pair[1]) << 16;
+            }
+        }
+        panel
     }
 }
 
