@@ -3,7 +3,7 @@
 //! head. The main job trains it; `tests/main_job.rs` and `tests/transformer_levels.rs` include this file.
 
 use amp::nn::{
-    embedding, gelu_mlp_normed, layer_norm, linear, multi_head_attention, Embedding, LayerNorm, Linear,
+    embedding, gelu_mlp_residual, layer_norm, linear, multi_head_attention, Embedding, LayerNorm, Linear,
     MultiHeadAttention,
 };
 use std::collections::HashMap;
@@ -68,11 +68,11 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        // Each norm's output, and what the attention and the MLP compute between their products, pass
-        // from op to op outside candle's graph, kept in the precision the next product reads.
-        let x = (x + self.attn.forward_normed(&self.ln1, x)?)?;
-        let mlp = gelu_mlp_normed(&self.ln2, &x, &self.mlp.up, &self.mlp.down)?;
-        x + mlp
+        // `x + attn(ln1(x))`, then `x + mlp(ln2(x))`: each norm's output, and what the attention and
+        // the MLP compute between their products, pass from op to op outside candle's graph, kept in
+        // the precision the next product reads, and each sublayer's last op adds its input.
+        let x = self.attn.forward_residual(&self.ln1, x)?;
+        gelu_mlp_residual(&self.ln2, &x, &self.mlp.up, &self.mlp.down)
     }
 }
 

@@ -12,7 +12,8 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::GradSlice;
+use crate::slices::Float;
+use crate::{GradSlice, GradSliceMut};
 
 /// Rows per band.
 pub(crate) const BAND: usize = 32;
@@ -34,6 +35,46 @@ pub fn column_sums(src: GradSlice<'_>, rows: usize, cols: usize, out: &mut [f32]
         GradSlice::F16(s) => in_bands(s, rows, cols, out),
         GradSlice::Bf16(s) => in_bands(s, rows, cols, out),
     }
+}
+
+/// `dst = src` rounded to `dst`'s dtype (to nearest even; a copy for f32) and `sums` the column sums of
+/// the f32 `src`, bit for bit what [`column_sums`] gives of it, in one pass: a gradient kept in the half
+/// precision its products read, with its bias gradient from the values before the rounding.
+///
+/// # Panics
+/// If `src` and `dst` differ in length, are not whole rows of `cols`, or `sums.len() != cols`.
+pub fn rounded_with_column_sums(src: &[f32], dst: GradSliceMut<'_>, cols: usize, sums: &mut [f32]) {
+    assert_eq!(sums.len(), cols, "rounded_with_column_sums: one sum per column");
+    assert!(
+        src.len() == dst.len() && (cols == 0 || src.len().is_multiple_of(cols)),
+        "rounded_with_column_sums: src and dst are not the same (rows, {cols}) matrix"
+    );
+    match dst {
+        GradSliceMut::F32(d) => rounded_in_bands(src, d, cols, sums),
+        GradSliceMut::F16(d) => rounded_in_bands(src, d, cols, sums),
+        GradSliceMut::Bf16(d) => rounded_in_bands(src, d, cols, sums),
+    }
+}
+
+fn rounded_in_bands<T: Float>(src: &[f32], dst: &mut [T], cols: usize, sums: &mut [f32]) {
+    if cols == 0 {
+        return;
+    }
+    let rows = src.len() / cols;
+    let mut bands = band_sums(rows, cols);
+    let band = |((src, dst), sums): ((&[f32], &mut [T]), &mut [f32])| {
+        for (row, out) in src.chunks_exact(cols).zip(dst.chunks_exact_mut(cols)) {
+            add_rows(row, sums);
+            T::narrow(row, out);
+        }
+    };
+    if rows * cols >= PARALLEL_ELEMENTS {
+        let parts = src.par_chunks(BAND * cols).zip(dst.par_chunks_mut(BAND * cols));
+        parts.zip(bands.par_chunks_mut(cols)).for_each(band);
+    } else {
+        src.chunks(BAND * cols).zip(dst.chunks_mut(BAND * cols)).zip(bands.chunks_mut(cols)).for_each(band);
+    }
+    combine_bands(&bands, cols, sums);
 }
 
 /// Zeroed sums for every band of a `rows x cols` matrix, band by band (`cols` each): what a band's
@@ -152,6 +193,27 @@ mod tests {
             let widened: Vec<f32> = halves.iter().map(|x| x.to_f32()).collect();
             column_sums(GradSlice::F16(&halves), rows, cols, &mut out);
             assert_eq!(bits(&out), bits(&reference(&widened, rows, cols)), "f16 {rows} x {cols}");
+        }
+    }
+
+    #[test]
+    fn rounding_with_the_sums_is_the_rounding_and_the_sums_of_the_f32_values() {
+        for (rows, cols) in [(0, 3), (1, 1), (33, 9), (300, 513), (1000, 300), (5, 0)] {
+            let src: Vec<f32> =
+                (0..rows * cols).map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37e-2).collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let want = reference(&src, rows, cols);
+            let (mut sums, mut halves) = (vec![f32::NAN; cols], vec![bf16::ZERO; rows * cols]);
+            rounded_with_column_sums(&src, GradSliceMut::Bf16(&mut halves), cols, &mut sums);
+            assert_eq!(bits(&sums), bits(&want), "bf16 sums {rows} x {cols}");
+            assert!(halves.iter().zip(&src).all(|(h, &x)| h.to_bits() == bf16::from_f32(x).to_bits()));
+            let mut f16s = vec![f16::ZERO; rows * cols];
+            rounded_with_column_sums(&src, GradSliceMut::F16(&mut f16s), cols, &mut sums);
+            assert_eq!(bits(&sums), bits(&want), "f16 sums {rows} x {cols}");
+            assert!(f16s.iter().zip(&src).all(|(h, &x)| h.to_bits() == f16::from_f32(x).to_bits()));
+            let mut copy = vec![f32::NAN; rows * cols];
+            rounded_with_column_sums(&src, GradSliceMut::F32(&mut copy), cols, &mut sums);
+            assert_eq!((bits(&copy), bits(&sums)), (bits(&src), bits(&want)), "f32 {rows} x {cols}");
         }
     }
 

@@ -108,10 +108,27 @@ impl MultiHeadAttention {
     /// As the norm's and the attention's: an `x` whose last dimension is not the norm's size or the
     /// projections' input features.
     pub fn forward_normed(&self, norm: &LayerNorm, x: &Tensor) -> Result<Tensor> {
-        if let Some(y) = self.fused_self_attention(x, Some(norm), self.causal)? {
+        if let Some(y) = self.fused_self_attention(x, Some((norm, false)), self.causal)? {
             return super::cast_output(y, self.out_proj.precision(), x.dtype());
         }
         self.forward(&norm.forward(x)?)
+    }
+
+    /// The pre-norm transformer's attention sublayer, `x + self.forward_normed(norm, x)`: its values and
+    /// gradients bit for bit. On amp's CPU GEMM the output projection's op adds `x` to its product, so
+    /// the attention's result is not a node of candle's graph either (one zero-filled gradient and one
+    /// add fewer in candle's backward pass, and no new tensor for the sum).
+    ///
+    /// # Errors
+    /// As [`MultiHeadAttention::forward_normed`]'s, and the add's: a result whose dtype or width is not
+    /// x's.
+    pub fn forward_residual(&self, norm: &LayerNorm, x: &Tensor) -> Result<Tensor> {
+        if self.out_proj.output_dtype(x.dtype()) == x.dtype() {
+            if let Some(y) = self.fused_self_attention(x, Some((norm, true)), self.causal)? {
+                return Ok(y);
+            }
+        }
+        x + self.forward_normed(norm, x)?
     }
 
     /// [`MultiHeadAttention::attend`] composed of the projections' and the attention's ops.
@@ -129,11 +146,12 @@ impl MultiHeadAttention {
 impl MultiHeadAttention {
     /// Self-attention of `x` as four ops with `q`, `k`, `v` and the heads' mix outside candle's graph
     /// ([`ops::self_attention`]: the same values, fewer passes over memory), or `None` where that
-    /// does not apply (not amp's CPU GEMM).
+    /// does not apply (not amp's CPU GEMM). With a norm, of `norm(x)`, and where its flag says, with `x`
+    /// added to the result.
     fn fused_self_attention(
         &self,
         x: &Tensor,
-        norm: Option<&LayerNorm>,
+        norm: Option<(&LayerNorm, bool)>,
         causal: bool,
     ) -> Result<Option<Tensor>> {
         let operands = self.projections().map(|p| p.product_operands(x.device()));
@@ -144,11 +162,12 @@ impl MultiHeadAttention {
             let compute = self.projections()[i].precision().compute;
             ops::Projection { weight, bias: bias.as_ref(), compute, out: DType::F32 }
         });
-        let norm_operands = norm.map(LayerNorm::operands).transpose()?;
-        let norm = norm.zip(norm_operands.as_ref()).map(|(norm, (weight, bias))| ops::Norm {
+        let norm_operands = norm.map(|(norm, _)| norm.operands()).transpose()?;
+        let norm = norm.zip(norm_operands.as_ref()).map(|((norm, residual), (weight, bias))| ops::Norm {
             weight,
             bias: bias.as_ref(),
             eps: norm.eps(),
+            residual,
         });
         ops::self_attention(x, norm.as_ref(), projections, self.num_heads, causal, self.compute_precision())
     }

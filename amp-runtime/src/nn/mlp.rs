@@ -43,19 +43,44 @@ pub fn gelu_mlp(x: &Tensor, up: &Linear, down: &Linear) -> Result<Tensor> {
 }
 
 /// [`gelu_mlp`] of `norm(x)`: the values and gradients of `gelu_mlp(&norm.forward(x)?, up, down)`, bit
-/// for bit, the pre-norm transformer's MLP. On amp's CPU GEMM the norm's output stays out of candle's
-/// graph as the hidden activation does, kept in the precision the up-projection reads it in (bf16
-/// under O2), with no gradient for candle's backward pass to zero-fill and add into.
+/// for bit. On amp's CPU GEMM the norm's output stays out of candle's graph as the hidden activation
+/// does, kept in the precision the up-projection reads it in (bf16 under O2), with no gradient for
+/// candle's backward pass to zero-fill and add into.
 ///
 /// # Errors
 /// As the norm's and [`gelu_mlp`]'s.
 pub fn gelu_mlp_normed(norm: &LayerNorm, x: &Tensor, up: &Linear, down: &Linear) -> Result<Tensor> {
-    let (weight, bias) = norm.operands()?;
-    let operands = Norm { weight: &weight, bias: bias.as_ref(), eps: norm.eps() };
-    match fused(x, Some(&operands), up, down)? {
+    match pre_norm(norm, false, x, up, down)? {
         Some(y) => Ok(y),
         None => gelu_mlp(&norm.forward(x)?, up, down),
     }
+}
+
+/// The pre-norm transformer's MLP sublayer, `x + gelu_mlp(norm(x), up, down)`: its values and
+/// gradients bit for bit. On amp's CPU GEMM the down-projection's op adds `x` to its product, so the
+/// perceptron's result is not a node of candle's graph either (one zero-filled gradient and one add
+/// fewer in candle's backward pass, and no new tensor for the sum).
+///
+/// # Errors
+/// As [`gelu_mlp_normed`]'s, and the add's: a result whose dtype or width is not x's.
+pub fn gelu_mlp_residual(norm: &LayerNorm, x: &Tensor, up: &Linear, down: &Linear) -> Result<Tensor> {
+    match pre_norm(norm, true, x, up, down)? {
+        Some(y) => Ok(y),
+        None => x + gelu_mlp_normed(norm, x, up, down)?,
+    }
+}
+
+/// The fused perceptron of `norm(x)` (plus `x` where `residual`), where it runs.
+fn pre_norm(
+    norm: &LayerNorm,
+    residual: bool,
+    x: &Tensor,
+    up: &Linear,
+    down: &Linear,
+) -> Result<Option<Tensor>> {
+    let (weight, bias) = norm.operands()?;
+    let operands = Norm { weight: &weight, bias: bias.as_ref(), eps: norm.eps(), residual };
+    fused(x, Some(&operands), up, down)
 }
 
 /// The fused perceptron ([`crate::ops::gelu_mlp`]) where it runs.

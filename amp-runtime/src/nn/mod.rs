@@ -83,7 +83,7 @@ pub use group_norm::{group_norm, GroupNorm};
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{BceWithLogitsLoss, BinaryCrossEntropyLoss, CrossEntropyLoss, MseLoss};
-pub use mlp::{gelu_mlp, gelu_mlp_normed};
+pub use mlp::{gelu_mlp, gelu_mlp_normed, gelu_mlp_residual};
 pub use rms_norm::{rms_norm, RmsNorm};
 
 use candle_core::{DType, Result, Tensor};

@@ -43,6 +43,11 @@ pub(crate) fn gelu_mlp(
         // The norm's output would be cast to x's dtype between the norm and the up-projection.
         return Ok(None);
     }
+    let features = x.dims().last().copied().unwrap_or(0);
+    if norm.is_some_and(|n| n.residual) && (down.out != DType::F32 || down.outputs()? != features) {
+        // The composition's `x + y` fails on a result of another dtype or width: let it say so.
+        return Ok(None);
+    }
     let rows = x.elem_count() / up.weight.differentiated.dim(1)?.max(1);
     let device = x.device();
     let Some((up_op, up_bias)) = up.op((rows, x.dtype(), device), up.out)? else {
@@ -63,10 +68,10 @@ pub(crate) fn gelu_mlp(
     };
     let shared = Arc::new(Mutex::new(Shared::default()));
     let hidden_dtype = as_read(up.out, down.compute);
-    let up_op = UpOp { linear: up_op, hidden_dtype, head, shared: shared.clone() };
+    let up_op = UpOp { linear: up_op, hidden_dtype, head: head.clone(), shared: shared.clone() };
     let token = first.apply_op3(&up.weight.differentiated, &up_bias, up_op)?;
     let gradient_dtype = (up.out, as_read(up.out, up.compute));
-    let down_op = DownOp { linear: down_op, gradient_dtype, shared };
+    let down_op = DownOp { linear: down_op, gradient_dtype, head, shared };
     Ok(Some(token.apply_op3(&down.weight.differentiated, &down_bias, down_op)?))
 }
 
@@ -182,6 +187,9 @@ struct DownOp {
     /// output dtype), and of the up-projection's product's, as the up-projection's backward products
     /// read it.
     gradient_dtype: (DType, Dtype),
+    /// The norm's link where a norm's op heads the pair: the result adds its input where it holds one
+    /// (a residual sublayer).
+    head: Option<SharedLink>,
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -204,7 +212,10 @@ impl CustomOp3 for DownOp {
         let (guard, layout) = hidden.storage_and_layout();
         let Storage::Cpu(storage) = &*guard else { return Err(off_the_cpu()) };
         let (h, dims) = rows_of(storage, layout)?;
-        let (y, outputs) = self.linear.product_of_rows((h, dims), (s2, l2), (s3, l3))?;
+        let (mut y, outputs) = self.linear.product_of_rows((h, dims), (s2, l2), (s3, l3))?;
+        if let Some(link) = &self.head {
+            chain::lock(link)?.add_residual(&mut y)?;
+        }
         let mut shape = shared.leading.clone();
         shape.push(outputs);
         Ok((y, shape.into()))
@@ -222,6 +233,13 @@ impl CustomOp3 for DownOp {
         let (dh_dtype, dz_dtype) = self.gradient_dtype;
         let wanted = needs_gradient(token).then_some(dh_dtype);
         let (dh, dw, db) = self.linear.gradients((&hidden, wanted), w, (bias, None), grad)?;
+        if let Some(link) = &self.head {
+            let mut link = chain::lock(link)?;
+            if link.residual.is_some() {
+                // The residual's share of x's gradient, for the norm's op.
+                link.residual_gradient = Some(grad.clone());
+            }
+        }
         let Some(dh) = dh else { return Ok((None, dw, db)) };
         // Back through GELU, for the up op's backward pass, which candle runs next (it takes the token).
         let mut shared = lock(&self.shared)?;

@@ -11,11 +11,19 @@
 //! token in its place; the chain's first op takes the token and reads the output from the link, and
 //! its backward pass leaves the output's gradient there for the norm's, which candle runs next.
 //!
+//! With [`Norm::residual`] the chain is a pre-norm residual sublayer, `x + chain(norm(x))`: its last
+//! op adds `x` to its f32 result in place ([`Link::add_residual`]), so neither the chain's result nor
+//! the sum's new tensor is a node of the graph, and its backward pass leaves the result's gradient in
+//! the link for the norm's op, which adds it to the norm's gradient of `x` (the sum candle forms of
+//! x's two consumers' gradients, in whichever order: two terms).
+//!
 //! The values are those of the norm followed by the chain, bit for bit: the kept output is what the
 //! products read (each row computed in f32 as the norm's op computes it, then rounded once), and the
 //! gradient is the one the chain would have added to a zero.
 
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use rayon::prelude::*;
 
 use amp_kernels::Dtype;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -23,11 +31,13 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use super::elementwise::{elements, elements_mut, new_storage, tensor_of};
 use super::layer_norm::{gradients, operands, rows, vector};
 
-/// A layer norm's operands: `weight` (f32), `bias` and `eps`.
+/// A layer norm's operands: `weight` (f32), `bias` and `eps`; with `residual`, the chain's result is
+/// `x + chain(norm(x))`, the pre-norm residual sublayer.
 pub(crate) struct Norm<'a> {
     pub weight: &'a Tensor,
     pub bias: Option<&'a Tensor>,
     pub eps: f64,
+    pub residual: bool,
 }
 
 /// What a chain reads as its input and leaves as the input's gradient.
@@ -37,7 +47,44 @@ pub(super) struct Link {
     pub value: Option<Tensor>,
     /// Its gradient, in the dtype the input has in the composition.
     pub gradient: Option<Tensor>,
+    /// The norm's input, which the chain's last op adds to its result (a residual sublayer).
+    pub residual: Option<Tensor>,
+    /// The result's gradient, from the last op's backward pass: the residual's share of x's gradient.
+    pub residual_gradient: Option<Tensor>,
 }
+
+impl Link {
+    /// `y += x` for the chain's f32 result `y` where the chain adds its input (`x + f(x)`, as candle's
+    /// add computes it), and whether it did.
+    pub fn add_residual(&self, y: &mut CpuStorage) -> Result<bool> {
+        let Some(x) = &self.residual else { return Ok(false) };
+        let CpuStorage::F32(y) = y else { candle_core::bail!("amp chain: a residual sum that is not f32") };
+        let (guard, layout) = x.storage_and_layout();
+        let (candle_core::Storage::Cpu(CpuStorage::F32(xs)), Some((start, end))) =
+            (&*guard, layout.contiguous_offsets())
+        else {
+            candle_core::bail!("amp chain: the residual is not a contiguous f32 CPU tensor");
+        };
+        let xs = &xs[start..end];
+        if xs.len() != y.len() {
+            candle_core::bail!(
+                "amp chain: the residual's {} values do not match the result's {}",
+                xs.len(),
+                y.len()
+            );
+        }
+        y.par_chunks_mut(CHUNK).zip(xs.par_chunks(CHUNK)).for_each(|(y, x)| {
+            // f32 addition commutes: `y + x` is candle's `x + y`, bit for bit.
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y += x;
+            }
+        });
+        Ok(true)
+    }
+}
+
+/// Floats per parallel chunk of the residual's add.
+const CHUNK: usize = 1 << 14;
 
 /// The shared [`Link`] of a chain's ops.
 pub(super) type SharedLink = Arc<Mutex<Link>>;
@@ -52,8 +99,12 @@ pub(super) fn lock(link: &Mutex<Link>) -> Result<MutexGuard<'_, Link>> {
 /// length than x's features.
 pub(super) fn normed(x: &Tensor, norm: &Norm<'_>, kept: Dtype, link: SharedLink) -> Result<Option<Tensor>> {
     let Some((weight, bias, has_bias)) = operands(x, norm.weight, norm.bias)? else { return Ok(None) };
+    let x = x.contiguous()?;
+    if norm.residual {
+        lock(&link)?.residual = Some(x.clone());
+    }
     let op = NormOp { eps: norm.eps as f32, has_bias, kept, link };
-    Ok(Some(x.contiguous()?.apply_op3(&weight, &bias, op)?))
+    Ok(Some(x.apply_op3(&weight, &bias, op)?))
 }
 
 /// `(x, weight, bias) -> token`: the layer norm of `x`, kept in the link in `kept`.
@@ -101,6 +152,12 @@ impl CustomOp3 for NormOp {
             )
         })?;
         let (dx, dweight, dbias) = gradients(x, weight, &grad.to_dtype(DType::F32)?, self.eps)?;
+        // x's two consumers in the composition, the norm and the residual's add: their gradients'
+        // sum, which candle forms the same whichever it adds to zero first.
+        let dx = match lock(&self.link)?.residual_gradient.take() {
+            Some(residual) => (dx + residual)?,
+            None => dx,
+        };
         Ok((Some(dx), Some(dweight), self.has_bias.then_some(dbias)))
     }
 }

@@ -11,8 +11,9 @@
 //! `v`'s token, attends and projects. candle runs their backward passes in the reverse order: the
 //! last op's first, leaving the gradients of `q`, `k` and `v` for theirs. What the products read is
 //! kept as they read it: `q`, `k`, `v`, the mix and the mix's gradient in the compute precision (bf16
-//! under O2: half the bytes written and read again). The gradients of `q`, `k` and `v` stay in the
-//! projections' output dtype (f32), their column sums being the bias gradients.
+//! under O2: half the bytes written and read again), and so are the gradients of `q`, `k` and `v`,
+//! rounded from f32 in one pass that also sums their columns, the biases' gradients
+//! ([`amp_kernels::reduce::rounded_with_column_sums`]).
 //!
 //! The values are those of the composition, bit for bit: the kept tensors are the values its products
 //! read (rounded once from the same f32 sums), the same kernels run in the same order, and `x`'s
@@ -24,7 +25,7 @@ use amp_kernels::Dtype;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::attention::{AttentionOp, Heads};
-use super::elementwise::{kernel_dtype, tensor_of};
+use super::elementwise::{elements_mut, kernel_dtype, new_storage, tensor_of};
 use super::gemm::{deposit, needs_gradient, rows_of, LinearOp};
 use super::norm_head::{self as chain, normed, Norm, SharedLink};
 use super::projection::{as_read, candle_dtype, Projection};
@@ -82,6 +83,10 @@ pub(crate) fn self_attention(
     let Some((linear, out_bias)) = out.op((rows, candle_dtype(mixed), device), out.out)? else {
         return Ok(None);
     };
+    if norm.is_some_and(|n| n.residual) && (out.out != DType::F32 || out.outputs()? != x.dim(2)?) {
+        // The composition's `x + y` fails on a result of another dtype or width: let it say so.
+        return Ok(None);
+    }
     let mut token = match norm {
         None => {
             let x = x.contiguous()?;
@@ -104,10 +109,12 @@ pub(crate) fn self_attention(
     let out_op = OutOp {
         attention,
         linear,
+        link,
         shape: (batch, t, widths[2]),
         mixed,
         mixed_gradient: candle_dtype(as_read(DType::F32, compute)),
         gradients: [kernel_dtype(q.out)?, kernel_dtype(k.out)?, kernel_dtype(v.out)?],
+        gradients_kept: [&q, &k, &v].map(|p| as_read(p.out, p.compute)),
         shared,
     };
     Ok(Some(token.apply_op3(&out.weight.differentiated, &out_bias, out_op)?))
@@ -120,8 +127,10 @@ struct Shared {
     projected: [Option<Tensor>; 3],
     /// The heads' mix, `rows x features`, as the output projection's products read it.
     mixed: Option<Tensor>,
-    /// The gradients of `q`, `k` and `v`, from the last op's backward pass to theirs.
-    gradients: [Option<Tensor>; 3],
+    /// The gradients of `q`, `k` and `v`, from the last op's backward pass to theirs, as their
+    /// projections' backward products read them, and where that rounded them from f32, the f32
+    /// values' column sums (the biases' gradients).
+    gradients: [Option<(Tensor, Option<Tensor>)>; 3],
 }
 
 fn lock(shared: &Mutex<Shared>) -> Result<MutexGuard<'_, Shared>> {
@@ -192,9 +201,9 @@ impl CustomOp3 for InOp {
         _token_grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = lock(&self.shared)?.gradients[self.role].take();
-        let grad = grad.ok_or_else(|| missing(&format!("{}'s gradient", ROLES[self.role])))?;
+        let (grad, summed) = grad.ok_or_else(|| missing(&format!("{}'s gradient", ROLES[self.role])))?;
         let x = chain::lock(&self.link)?.value.clone().ok_or_else(|| missing("the input"))?;
-        let (dx, dw, db) = self.linear.gradients((&x, self.input_gradient), w, (bias, None), &grad)?;
+        let (dx, dw, db) = self.linear.gradients((&x, self.input_gradient), w, (bias, summed), &grad)?;
         let mut link = chain::lock(&self.link)?;
         // Added to the sum so far as candle adds each consumer's gradient to a node's.
         link.gradient = match (link.gradient.take(), dx) {
@@ -214,6 +223,8 @@ impl CustomOp3 for InOp {
 struct OutOp {
     attention: AttentionOp,
     linear: LinearOp,
+    /// The chain's input, where the result adds it (a residual sublayer).
+    link: SharedLink,
     /// `(batch, t, features)` of the heads' mix.
     shape: (usize, usize, usize),
     /// The dtype the mix is kept in.
@@ -222,6 +233,8 @@ struct OutOp {
     mixed_gradient: DType,
     /// The dtypes of the gradients of `q`, `k` and `v`: the projections' outputs' in the composition.
     gradients: [Dtype; 3],
+    /// The dtypes they are kept in: as the projections' backward products read them.
+    gradients_kept: [Dtype; 3],
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -245,7 +258,8 @@ impl CustomOp3 for OutOp {
             .map_err(candle_core::Error::wrap)??;
         let (batch, t, features) = self.shape;
         let layout = Layout::contiguous((batch * t, features));
-        let (y, outputs) = self.linear.product_of_rows(rows_of(&mixed, &layout)?, (s2, l2), (s3, l3))?;
+        let (mut y, outputs) = self.linear.product_of_rows(rows_of(&mixed, &layout)?, (s2, l2), (s3, l3))?;
+        chain::lock(&self.link)?.add_residual(&mut y)?;
         shared.mixed = Some(tensor_of(mixed, (batch * t, features))?);
         Ok((y, Shape::from((batch, t, outputs))))
     }
@@ -264,17 +278,48 @@ impl CustomOp3 for OutOp {
         };
         let (dmixed, dw, db) =
             self.linear.gradients((&mixed, Some(self.mixed_gradient)), w, (bias, None), grad)?;
+        let mut link = chain::lock(&self.link)?;
+        if link.residual.is_some() {
+            // The residual's share of x's gradient, for the norm's op.
+            link.residual_gradient = Some(grad.clone());
+        }
+        drop(link);
         let dmixed = dmixed.ok_or_else(|| missing("the heads' mix's gradient"))?;
         let grads = with_slices(&[&q, &k, &v, &dmixed], |s| {
             self.attention.gradients([s[0], s[1], s[2], s[3]], self.gradients.map(Some))
         })
         .map_err(candle_core::Error::wrap)??;
+        let mut kept = Vec::with_capacity(3);
+        for ((grad, like), dtype) in grads.into_iter().zip([&q, &k, &v]).zip(self.gradients_kept) {
+            kept.push(grad.map(|g| kept_gradient(g, like.dims2()?, dtype)).transpose()?);
+        }
         let mut shared = lock(&self.shared)?;
-        for ((slot, grad), like) in shared.gradients.iter_mut().zip(grads).zip([&q, &k, &v]) {
-            *slot = grad.map(|g| tensor_of(g, like.shape().clone())).transpose()?;
+        for (slot, grad) in shared.gradients.iter_mut().zip(kept) {
+            *slot = grad;
         }
         Ok((Some(token.zeros_like()?), dw, db))
     }
+}
+
+/// A projection's gradient (`rows x features`) as its backward products read it: rounded to `kept`
+/// from f32 with the f32 values' column sums, or as it is (no sums: the products' op sums it).
+fn kept_gradient(
+    grad: CpuStorage,
+    (rows, features): (usize, usize),
+    kept: Dtype,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let CpuStorage::F32(values) = &grad else {
+        return Ok((tensor_of(grad, (rows, features))?, None));
+    };
+    if kept == Dtype::F32 {
+        return Ok((tensor_of(grad, (rows, features))?, None));
+    }
+    let mut sums = vec![0f32; features];
+    let mut rounded = new_storage(kept, values.len(), |_, _| {});
+    let dst = elements_mut(&mut rounded, values.len())?;
+    amp_kernels::reduce::rounded_with_column_sums(values, dst, features, &mut sums);
+    let sums = Tensor::from_vec(sums, features, &candle_core::Device::Cpu)?;
+    Ok((tensor_of(rounded, (rows, features))?, Some(sums)))
 }
 
 /// `q`, `k` and `v` as the in ops left them.
