@@ -28,7 +28,8 @@ use super::elementwise::{elements, new_storage, part, tensor_of};
 use super::gelu::{gelu_gradient, gelu_gradient_with_column_sums};
 use super::gemm::{needs_gradient, rows_of, LinearOp};
 use super::norm_head::{self as chain, normed, Norm, SharedLink};
-use super::projection::{as_read, Projection};
+use super::projection::{as_read, gradient_as_read, Projection};
+use crate::Precision;
 
 /// `down(gelu(x up^T + b_up))`, of `norm(x)` where a layer norm is given ([`super::norm_head`]),
 /// fused as the module says where the dispatcher picks amp's GEMM for both products; `None` otherwise
@@ -71,7 +72,7 @@ pub(crate) fn gelu_mlp(
     let up_op = UpOp { linear: up_op, hidden_dtype, head: head.clone(), shared: shared.clone() };
     let token = first.apply_op3(&up.weight.differentiated, &up_bias, up_op)?;
     let gradient_dtype = (up.out, as_read(up.out, up.compute));
-    let down_op = DownOp { linear: down_op, gradient_dtype, head, shared };
+    let down_op = DownOp { linear: down_op, gradient_dtype, compute: down.compute, head, shared };
     Ok(Some(token.apply_op3(&down.weight.differentiated, &down_bias, down_op)?))
 }
 
@@ -187,6 +188,8 @@ struct DownOp {
     /// output dtype), and of the up-projection's product's, as the up-projection's backward products
     /// read it.
     gradient_dtype: (DType, Dtype),
+    /// The down-projection's compute precision.
+    compute: Precision,
     /// The norm's link where a norm's op heads the pair: the result adds its input where it holds one
     /// (a residual sublayer).
     head: Option<SharedLink>,
@@ -232,7 +235,10 @@ impl CustomOp3 for DownOp {
         let hidden = lock(&self.shared)?.hidden.clone().ok_or_else(|| missing("the hidden activation"))?;
         let (dh_dtype, dz_dtype) = self.gradient_dtype;
         let wanted = needs_gradient(token).then_some(dh_dtype);
-        let (dh, dw, db) = self.linear.gradients((&hidden, wanted), w, (bias, None), grad)?;
+        // The result's gradient as the down-projection's two backward products read it, the bias's
+        // summed.
+        let (grad_read, summed) = gradient_as_read(grad, self.compute)?;
+        let (dh, dw, db) = self.linear.gradients((&hidden, wanted), w, (bias, summed), &grad_read)?;
         if let Some(link) = &self.head {
             let mut link = chain::lock(link)?;
             if link.residual.is_some() {

@@ -1,9 +1,10 @@
 //! A Linear of a fused chain of ops ([`super::mlp`], [`mod@super::self_attention`]): its operands, and the
 //! dtype in which a chain keeps what its products read.
 
-use amp_kernels::Dtype;
+use amp_kernels::{Dtype, GradSlice};
 use candle_core::{DType, Device, Result, Tensor};
 
+use super::elementwise::{elements_mut, new_storage, tensor_of};
 use super::gemm::{linear_op, LinearOp, Operand};
 use crate::Precision;
 
@@ -61,4 +62,28 @@ pub(super) fn candle_dtype(dtype: Dtype) -> DType {
         Dtype::F16 => DType::F16,
         Dtype::Bf16 => DType::BF16,
     }
+}
+
+/// A projection's output gradient `grad` (`(.., features)`) as the projection's backward products read
+/// it when they compute in `compute`, with the bias's gradient where that takes a pass of its own: an
+/// f32 gradient read in half precision is rounded once, its columns summed from the f32 values in the
+/// same pass (what the products and the bias's sum would read, bit for bit: the products then read it
+/// as it is, a bf16 A in place on AMX); any other is returned as it is, without sums.
+pub(super) fn gradient_as_read(grad: &Tensor, compute: Precision) -> Result<(Tensor, Option<Tensor>)> {
+    let kept = as_read(grad.dtype(), compute);
+    let features = grad.dims().last().copied().unwrap_or(1);
+    if grad.dtype() != DType::F32 || kept == Dtype::F32 || !grad.device().is_cpu() || features == 0 {
+        return Ok((grad.clone(), None));
+    }
+    let grad = grad.contiguous()?;
+    let rounded = crate::storage::with_slices(&[&grad], |slices| -> Result<_> {
+        let GradSlice::F32(values) = slices[0] else { unreachable!("an f32 tensor's slice") };
+        let mut sums = vec![0f32; features];
+        let mut rounded = new_storage(kept, values.len(), |_, _| {});
+        let dst = elements_mut(&mut rounded, values.len())?;
+        amp_kernels::reduce::rounded_with_column_sums(values, dst, features, &mut sums);
+        Ok((tensor_of(rounded, grad.shape().clone())?, Tensor::from_vec(sums, features, grad.device())?))
+    })
+    .map_err(candle_core::Error::wrap)??;
+    Ok((rounded.0, Some(rounded.1)))
 }

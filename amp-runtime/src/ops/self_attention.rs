@@ -25,10 +25,10 @@ use amp_kernels::Dtype;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::attention::{AttentionOp, Heads};
-use super::elementwise::{elements_mut, kernel_dtype, new_storage, tensor_of};
+use super::elementwise::{kernel_dtype, tensor_of};
 use super::gemm::{deposit, needs_gradient, rows_of, LinearOp};
 use super::norm_head::{self as chain, normed, Norm, SharedLink};
-use super::projection::{as_read, candle_dtype, Projection};
+use super::projection::{as_read, candle_dtype, gradient_as_read, Projection};
 use crate::storage::with_slices;
 use crate::Precision;
 
@@ -113,8 +113,9 @@ pub(crate) fn self_attention(
         shape: (batch, t, widths[2]),
         mixed,
         mixed_gradient: candle_dtype(as_read(DType::F32, compute)),
+        out_compute: out.compute,
         gradients: [kernel_dtype(q.out)?, kernel_dtype(k.out)?, kernel_dtype(v.out)?],
-        gradients_kept: [&q, &k, &v].map(|p| as_read(p.out, p.compute)),
+        computes: [q.compute, k.compute, v.compute],
         shared,
     };
     Ok(Some(token.apply_op3(&out.weight.differentiated, &out_bias, out_op)?))
@@ -231,10 +232,12 @@ struct OutOp {
     mixed: Dtype,
     /// The dtype the mix's gradient is kept in.
     mixed_gradient: DType,
+    /// out_proj's compute precision.
+    out_compute: Precision,
     /// The dtypes of the gradients of `q`, `k` and `v`: the projections' outputs' in the composition.
     gradients: [Dtype; 3],
-    /// The dtypes they are kept in: as the projections' backward products read them.
-    gradients_kept: [Dtype; 3],
+    /// The projections' compute precisions: their backward products read the gradients in them.
+    computes: [Precision; 3],
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -276,8 +279,10 @@ impl CustomOp3 for OutOp {
             let shared = lock(&self.shared)?;
             (shared.mixed.clone().ok_or_else(|| missing("the heads' mix"))?, projected(&shared)?)
         };
+        // The result's gradient as out_proj's two backward products read it, the bias's summed.
+        let (grad_read, summed) = gradient_as_read(grad, self.out_compute)?;
         let (dmixed, dw, db) =
-            self.linear.gradients((&mixed, Some(self.mixed_gradient)), w, (bias, None), grad)?;
+            self.linear.gradients((&mixed, Some(self.mixed_gradient)), w, (bias, summed), &grad_read)?;
         let mut link = chain::lock(&self.link)?;
         if link.residual.is_some() {
             // The residual's share of x's gradient, for the norm's op.
@@ -290,8 +295,9 @@ impl CustomOp3 for OutOp {
         })
         .map_err(candle_core::Error::wrap)??;
         let mut kept = Vec::with_capacity(3);
-        for ((grad, like), dtype) in grads.into_iter().zip([&q, &k, &v]).zip(self.gradients_kept) {
-            kept.push(grad.map(|g| kept_gradient(g, like.dims2()?, dtype)).transpose()?);
+        for ((grad, like), compute) in grads.into_iter().zip([&q, &k, &v]).zip(self.computes) {
+            let grad = grad.map(|g| tensor_of(g, like.shape().clone())).transpose()?;
+            kept.push(grad.map(|g| gradient_as_read(&g, compute)).transpose()?);
         }
         let mut shared = lock(&self.shared)?;
         for (slot, grad) in shared.gradients.iter_mut().zip(kept) {
@@ -299,27 +305,6 @@ impl CustomOp3 for OutOp {
         }
         Ok((Some(token.zeros_like()?), dw, db))
     }
-}
-
-/// A projection's gradient (`rows x features`) as its backward products read it: rounded to `kept`
-/// from f32 with the f32 values' column sums, or as it is (no sums: the products' op sums it).
-fn kept_gradient(
-    grad: CpuStorage,
-    (rows, features): (usize, usize),
-    kept: Dtype,
-) -> Result<(Tensor, Option<Tensor>)> {
-    let CpuStorage::F32(values) = &grad else {
-        return Ok((tensor_of(grad, (rows, features))?, None));
-    };
-    if kept == Dtype::F32 {
-        return Ok((tensor_of(grad, (rows, features))?, None));
-    }
-    let mut sums = vec![0f32; features];
-    let mut rounded = new_storage(kept, values.len(), |_, _| {});
-    let dst = elements_mut(&mut rounded, values.len())?;
-    amp_kernels::reduce::rounded_with_column_sums(values, dst, features, &mut sums);
-    let sums = Tensor::from_vec(sums, features, &candle_core::Device::Cpu)?;
-    Ok((tensor_of(rounded, (rows, features))?, Some(sums)))
 }
 
 /// `q`, `k` and `v` as the in ops left them.
