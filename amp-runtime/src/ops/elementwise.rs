@@ -60,3 +60,40 @@ pub(super) fn tensor_of(storage: CpuStorage, shape: impl Into<Shape>) -> Result<
         other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp: f32, f16 or bf16")),
     }
 }
+
+/// Floats per parallel chunk of [`add_into`].
+const ADD_CHUNK: usize = 1 << 14;
+
+/// `y[i] += x[i]` in parallel chunks: each sum what candle's `y + x` (or `x + y`: f32 addition
+/// commutes) computes, bit for bit.
+pub(super) fn add_into(y: &mut [f32], x: &[f32]) {
+    use rayon::prelude::*;
+    debug_assert_eq!(y.len(), x.len());
+    y.par_chunks_mut(ADD_CHUNK).zip(x.par_chunks(ADD_CHUNK)).for_each(|(y, x)| {
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y += x;
+        }
+    });
+}
+
+/// `target + addend` written into `target`'s own memory, for an f32 `target` the caller alone holds (a
+/// gradient it computed): the sum candle's add would return, without a new tensor. Where the two are
+/// not contiguous f32 CPU tensors of one size in separate storages, candle's add (a new tensor).
+pub(super) fn sum_into(target: Tensor, addend: &Tensor) -> Result<Tensor> {
+    let fits = [&target, addend].iter().all(|t| t.dtype() == DType::F32 && t.device().is_cpu())
+        && target.is_contiguous()
+        && target.shape() == addend.shape()
+        && crate::storage::check_distinct(&[&target, addend]).is_ok();
+    if !fits {
+        return target + addend;
+    }
+    let addend = addend.contiguous()?;
+    let added = crate::storage::with_slices(&[&addend], |x| {
+        crate::storage::with_all_mut(&[&target], |y| match (&mut y[0], x[0]) {
+            (GradSliceMut::F32(y), GradSlice::F32(x)) => add_into(y, x),
+            _ => unreachable!("checked: two f32 tensors"),
+        })
+    });
+    added.and_then(|inner| inner).map_err(candle_core::Error::wrap)?;
+    Ok(target)
+}

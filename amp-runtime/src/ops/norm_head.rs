@@ -23,12 +23,11 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use rayon::prelude::*;
 
 use amp_kernels::Dtype;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::elementwise::{elements, elements_mut, new_storage, tensor_of};
+use super::elementwise::{add_into, elements, elements_mut, new_storage, sum_into, tensor_of};
 use super::layer_norm::{gradients, operands, rows, vector};
 
 /// A layer norm's operands: `weight` (f32), `bias` and `eps`; with `residual`, the chain's result is
@@ -73,18 +72,10 @@ impl Link {
                 y.len()
             );
         }
-        y.par_chunks_mut(CHUNK).zip(xs.par_chunks(CHUNK)).for_each(|(y, x)| {
-            // f32 addition commutes: `y + x` is candle's `x + y`, bit for bit.
-            for (y, &x) in y.iter_mut().zip(x) {
-                *y += x;
-            }
-        });
+        add_into(y, xs);
         Ok(true)
     }
 }
-
-/// Floats per parallel chunk of the residual's add.
-const CHUNK: usize = 1 << 14;
 
 /// The shared [`Link`] of a chain's ops.
 pub(super) type SharedLink = Arc<Mutex<Link>>;
@@ -155,7 +146,7 @@ impl CustomOp3 for NormOp {
         // x's two consumers in the composition, the norm and the residual's add: their gradients'
         // sum, which candle forms the same whichever it adds to zero first.
         let dx = match lock(&self.link)?.residual_gradient.take() {
-            Some(residual) => (dx + residual)?,
+            Some(residual) => sum_into(dx, &residual)?,
             None => dx,
         };
         Ok((Some(dx), Some(dweight), self.has_bias.then_some(dbias)))

@@ -25,7 +25,7 @@ use amp_kernels::Dtype;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::attention::{AttentionOp, Heads};
-use super::elementwise::{kernel_dtype, tensor_of};
+use super::elementwise::{kernel_dtype, sum_into, tensor_of};
 use super::gemm::{deposit, needs_gradient, rows_of, LinearOp};
 use super::norm_head::{self as chain, normed, Norm, SharedLink};
 use super::projection::{as_read, candle_dtype, gradient_as_read, Projection};
@@ -208,7 +208,7 @@ impl CustomOp3 for InOp {
         let mut link = chain::lock(&self.link)?;
         // Added to the sum so far as candle adds each consumer's gradient to a node's.
         link.gradient = match (link.gradient.take(), dx) {
-            (Some(sum), Some(dx)) => Some((sum + dx)?),
+            (Some(sum), Some(dx)) => Some(sum_into(sum, &dx)?),
             (sum, dx) => sum.or(dx),
         };
         if self.role == 0 && self.direct {
