@@ -23,7 +23,6 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-
 use amp_kernels::Dtype;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
