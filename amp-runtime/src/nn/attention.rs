@@ -122,6 +122,22 @@ impl MultiHeadAttention {
     /// # Errors
     /// As [`MultiHeadAttention::forward_normed`]'s, and the add's: a result whose dtype or width is not
     /// x's.
+    ///
+    /// ```
+    /// use amp_runtime::nn::{layer_norm, multi_head_attention};
+    /// use candle_core::{DType, Device, Module, Tensor};
+    /// use candle_nn::{VarBuilder, VarMap};
+    ///
+    /// let varmap = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    /// let norm = layer_norm(16, 1e-5, vb.pp("ln"))?;
+    /// let attn = multi_head_attention(16, 2, vb.pp("attn"))?.with_causal(true);
+    /// let x = Tensor::randn(0f32, 1.0, (2, 6, 16), &Device::Cpu)?;
+    /// let y = attn.forward_residual(&norm, &x)?;
+    /// let composed = (&x + attn.forward(&norm.forward(&x)?)?)?;
+    /// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, composed.flatten_all()?.to_vec1::<f32>()?);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
     pub fn forward_residual(&self, norm: &LayerNorm, x: &Tensor) -> Result<Tensor> {
         if self.out_proj.output_dtype(x.dtype()) == x.dtype() {
             if let Some(y) = self.fused_self_attention(x, Some((norm, true)), self.causal)? {

@@ -63,6 +63,22 @@ pub fn gelu_mlp_normed(norm: &LayerNorm, x: &Tensor, up: &Linear, down: &Linear)
 ///
 /// # Errors
 /// As [`gelu_mlp_normed`]'s, and the add's: a result whose dtype or width is not x's.
+///
+/// ```
+/// use amp_runtime::nn::{gelu_mlp, gelu_mlp_residual, layer_norm, linear};
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+///
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let norm = layer_norm(8, 1e-5, vb.pp("ln"))?;
+/// let (up, down) = (linear(8, 32, vb.pp("up"))?, linear(32, 8, vb.pp("down"))?);
+/// let x = Tensor::randn(0f32, 1.0, (2, 5, 8), &Device::Cpu)?;
+/// let y = gelu_mlp_residual(&norm, &x, &up, &down)?;
+/// let composed = (&x + gelu_mlp(&norm.forward(&x)?, &up, &down)?)?;
+/// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, composed.flatten_all()?.to_vec1::<f32>()?);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 pub fn gelu_mlp_residual(norm: &LayerNorm, x: &Tensor, up: &Linear, down: &Linear) -> Result<Tensor> {
     match pre_norm(norm, true, x, up, down)? {
         Some(y) => Ok(y),
