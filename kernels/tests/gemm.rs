@@ -518,6 +518,29 @@ fn run_from(path: GemmPath, case: &Case, x: &Inputs, bias: Option<&[f32]>) -> Ve
     c.to_f32()
 }
 
+/// `in_place` and `packed` (the same values with one operand stored the other way) from one `seed`,
+/// lines padded with NaN as `pads` says (A's, B's: a read past `k` would show), run on `path` from zero
+/// or C as their case says and from a bias row: the same bits each time, and from zero or C within the
+/// bound.
+fn assert_layouts_agree(path: GemmPath, (in_place, packed): (&Case, &Case), seed: u64, pads: (usize, usize)) {
+    let stored = |case: &Case| {
+        let (mut rng, Dims { batch, m, n, k }) = (Rng(seed), case.dims);
+        let a = Stored::new(&rng.vec(batch * m * k, -6, 6), case.a.0, (batch, m, k), case.a.1, pads.0);
+        let b = Stored::new(&rng.vec(batch * k * n, -6, 6), case.b.0, (batch, k, n), case.b.1, pads.1);
+        Inputs { a, b, c0: rng.vec(batch * m * n, -6, 6) }
+    };
+    let (x, y) = (stored(in_place), stored(packed));
+    let bias = Rng(seed ^ 1).vec(in_place.dims.n, -2, 2);
+    for bias in [None, Some(&bias[..])] {
+        let got = run_from(path, in_place, &x, bias);
+        let what = format!("{path} {in_place:?} bias {}", bias.is_some());
+        assert_same(&what, &got, &run_from(path, packed, &y, bias));
+        if bias.is_none() {
+            assert_within_bound(path, in_place, &x, &got);
+        }
+    }
+}
+
 /// On AMX a product whose A is bf16 with `k` contiguous and whose tiles are all whole (`m` and `n`
 /// multiples of 32, `k` of 32) reads A's rows where they lie; the same values with A stored the other
 /// way take the packed path. The two give the same bits, on the model and on the hardware, for every
@@ -527,12 +550,6 @@ fn run_from(path: GemmPath, case: &Case, x: &Inputs, bias: Option<&[f32]>) -> Ve
 fn amx_products_reading_a_in_place_match_the_packed_path_bit_for_bit() {
     let paths = [GemmPath::AmxBf16Model, GemmPath::AmxBf16].into_iter().filter(|p| p.is_supported());
     let shapes = [(1, 96, 32, 32), (2, 128, 64, 96), (1, 160, 96, 256), (2, 96, 40, 64), (1, 100, 64, 64)];
-    let stored = |case: &Case, seed: u64| {
-        let (mut rng, Dims { batch, m, n, k }) = (Rng(seed), case.dims);
-        let a = Stored::new(&rng.vec(batch * m * k, -6, 6), case.a.0, (batch, m, k), case.a.1, 3);
-        let b = Stored::new(&rng.vec(batch * k * n, -6, 6), case.b.0, (batch, k, n), case.b.1, 0);
-        Inputs { a, b, c0: rng.vec(batch * m * n, -6, 6) }
-    };
     let mut rng = Rng(31);
     for path in paths {
         for (batch, m, n, k) in shapes {
@@ -549,17 +566,8 @@ fn amx_products_reading_a_in_place_match_the_packed_path_bit_for_bit() {
                     accumulate,
                 };
                 let packed = Case { a: (Dtype::Bf16, true), ..in_place };
-                let seed = rng.next_u64();
-                let (x, y) = (stored(&in_place, seed), stored(&packed, seed));
-                let bias = rng.vec(n, -2, 2);
-                for bias in [None, Some(&bias[..])] {
-                    let got = run_from(path, &in_place, &x, bias);
-                    let what = format!("{path} {in_place:?} bias {}", bias.is_some());
-                    assert_same(&what, &got, &run_from(path, &packed, &y, bias));
-                    if bias.is_none() {
-                        assert_within_bound(path, &in_place, &x, &got);
-                    }
-                }
+                // A's rows padded with NaN (B's lines as they are).
+                assert_layouts_agree(path, (&in_place, &packed), rng.next_u64(), (3, 0));
             }
         }
     }
@@ -585,13 +593,6 @@ fn skinny_amx_products_reading_the_weight_in_place_match_the_packed_path_bit_for
         (1, 3, 40, 31),
         (1, 5, 31, 64),
     ];
-    // B's lines padded with NaN: a read past `k` would show.
-    let stored = |case: &Case, seed: u64| {
-        let (mut rng, Dims { batch, m, n, k }) = (Rng(seed), case.dims);
-        let a = Stored::new(&rng.vec(batch * m * k, -6, 6), case.a.0, (batch, m, k), case.a.1, 1);
-        let b = Stored::new(&rng.vec(batch * k * n, -6, 6), case.b.0, (batch, k, n), case.b.1, 3);
-        Inputs { a, b, c0: rng.vec(batch * m * n, -6, 6) }
-    };
     let mut rng = Rng(29);
     for path in paths {
         for (batch, m, n, k) in shapes {
@@ -611,17 +612,8 @@ fn skinny_amx_products_reading_the_weight_in_place_match_the_packed_path_bit_for
                     accumulate,
                 };
                 let packed = Case { b: (Dtype::Bf16, false), ..in_place };
-                let seed = rng.next_u64();
-                let (x, y) = (stored(&in_place, seed), stored(&packed, seed));
-                let bias = rng.vec(n, -2, 2);
-                for bias in [None, Some(&bias[..])] {
-                    let got = run_from(path, &in_place, &x, bias);
-                    let what = format!("{path} {in_place:?} bias {}", bias.is_some());
-                    assert_same(&what, &got, &run_from(path, &packed, &y, bias));
-                    if bias.is_none() {
-                        assert_within_bound(path, &in_place, &x, &got);
-                    }
-                }
+                // B's lines padded with NaN.
+                assert_layouts_agree(path, (&in_place, &packed), rng.next_u64(), (1, 3));
             }
         }
     }

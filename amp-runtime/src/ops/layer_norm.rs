@@ -57,7 +57,7 @@ pub(super) fn operands(
 }
 
 /// The rows and the row length of a contiguous `(.., d)` layout.
-pub(super) fn rows(layout: &Layout) -> (usize, usize) {
+fn rows(layout: &Layout) -> (usize, usize) {
     let d = layout.dims().last().copied().unwrap_or(1);
     (layout.shape().elem_count() / d.max(1), d)
 }
@@ -75,8 +75,33 @@ struct LayerNormBackward {
     eps: f32,
 }
 
+/// What a norm op's forward pass reads: the rows and row length of x, its elements, the weight and
+/// the bias.
+pub(super) struct Inputs<'a> {
+    pub rows: usize,
+    pub d: usize,
+    pub x: amp_kernels::GradSlice<'a>,
+    pub weight: &'a [f32],
+    pub bias: Option<&'a [f32]>,
+}
+
+/// The [`Inputs`] in an op's storages of `(x, weight, bias)` (the bias none where `has_bias` is false:
+/// its storage holds untracked zeros).
+pub(super) fn inputs<'a>(
+    (s1, l1): (&'a CpuStorage, &Layout),
+    (s2, l2): (&'a CpuStorage, &Layout),
+    (s3, l3): (&'a CpuStorage, &Layout),
+    has_bias: bool,
+) -> Result<Inputs<'a>> {
+    let (rows, d) = rows(l1);
+    let (x, weight) = (elements(s1, l1)?, vector(s2, l2)?);
+    let bias = if has_bias { Some(vector(s3, l3)?) } else { None };
+    debug_assert_eq!(x.len(), rows * d);
+    Ok(Inputs { rows, d, x, weight, bias })
+}
+
 /// A contiguous f32 vector.
-pub(super) fn vector<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+fn vector<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     match (storage, layout.contiguous_offsets()) {
         (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
         _ => Err(candle_core::Error::Msg("amp layer_norm: weight and bias must be contiguous f32".into())),
@@ -97,10 +122,7 @@ impl CustomOp3 for LayerNormOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, d) = rows(l1);
-        let (x, weight) = (elements(s1, l1)?, vector(s2, l2)?);
-        let bias = if self.has_bias { Some(vector(s3, l3)?) } else { None };
-        debug_assert_eq!(x.len(), rows * d);
+        let Inputs { d, x, weight, bias, .. } = inputs((s1, l1), (s2, l2), (s3, l3), self.has_bias)?;
         let y = amp_kernels::layer_norm::forward_new(x, d, weight, bias, self.eps);
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }

@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use amp_kernels::Dtype;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::elementwise::{add_into, elements, elements_mut, new_storage, sum_into, tensor_of};
-use super::layer_norm::{gradients, operands, rows, vector};
+use super::elementwise::{add_into, elements_mut, new_storage, sum_into, tensor_of};
+use super::layer_norm::{gradients, inputs, operands, Inputs};
 
 /// A layer norm's operands: `weight` (f32), `bias` and `eps`; with `residual`, the chain's result is
 /// `x + chain(norm(x))`, the pre-norm residual sublayer.
@@ -119,9 +119,7 @@ impl CustomOp3 for NormOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, d) = rows(l1);
-        let (x, weight) = (elements(s1, l1)?, vector(s2, l2)?);
-        let bias = if self.has_bias { Some(vector(s3, l3)?) } else { None };
+        let Inputs { rows, d, x, weight, bias } = inputs((s1, l1), (s2, l2), (s3, l3), self.has_bias)?;
         let mut y = new_storage(self.kept, rows * d, |_, _| {});
         amp_kernels::layer_norm::forward_into(x, d, weight, bias, self.eps, elements_mut(&mut y, rows * d)?);
         lock(&self.link)?.value = Some(tensor_of(y, l1.shape().clone())?);

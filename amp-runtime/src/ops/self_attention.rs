@@ -15,6 +15,10 @@
 //! rounded from f32 in one pass that also sums their columns, the biases' gradients
 //! ([`amp_kernels::reduce::rounded_with_column_sums`]).
 //!
+//! With a layer norm ([`super::norm_head`]) the chain starts with the norm's op, whose output the
+//! projections read from the chain's link (kept as they read it), and as a residual sublayer the last
+//! op adds the norm's input to its result.
+//!
 //! The values are those of the composition, bit for bit: the kept tensors are the values its products
 //! read (rounded once from the same f32 sums), the same kernels run in the same order, and `x`'s
 //! gradient is summed in the order candle sums it there.
@@ -33,9 +37,10 @@ use crate::storage::with_slices;
 use crate::Precision;
 
 /// `out(attention(q(x), k(x), v(x)))` for `x` `(batch, t, embed)` in `heads` heads (causal or not), the
-/// attention's products in `compute`, fused as the module says where the dispatcher picks amp's GEMM
-/// for every product; `None` otherwise (the caller composes the layers). The result is `out`'s
-/// product in its output dtype, `(batch, t, out features)`.
+/// attention's products in `compute`, of `norm(x)` where a norm is given (plus `x` where it says
+/// `residual`), fused as the module says where the dispatcher picks amp's GEMM for every product;
+/// `None` otherwise (the caller composes the layers). The result is `out`'s product in its output
+/// dtype, `(batch, t, out features)`.
 pub(crate) fn self_attention(
     x: &Tensor,
     norm: Option<&Norm<'_>>,
