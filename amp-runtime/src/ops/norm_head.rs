@@ -53,9 +53,9 @@ pub(super) struct Link {
 
 impl Link {
     /// `y += x` for the chain's f32 result `y` where the chain adds its input (`x + f(x)`, as candle's
-    /// add computes it), and whether it did.
-    pub fn add_residual(&self, y: &mut CpuStorage) -> Result<bool> {
-        let Some(x) = &self.residual else { return Ok(false) };
+    /// add computes it); nothing where it does not.
+    pub fn add_residual(&self, y: &mut CpuStorage) -> Result<()> {
+        let Some(x) = &self.residual else { return Ok(()) };
         let CpuStorage::F32(y) = y else { candle_core::bail!("amp chain: a residual sum that is not f32") };
         let (guard, layout) = x.storage_and_layout();
         let (candle_core::Storage::Cpu(CpuStorage::F32(xs)), Some((start, end))) =
@@ -72,7 +72,7 @@ impl Link {
             );
         }
         add_into(y, xs);
-        Ok(true)
+        Ok(())
     }
 }
 
