@@ -4,7 +4,9 @@
 //! does not split over the ranks is refused. Needs the `mpi` feature and Open MPI's `mpirun` (.ci/run
 //! installs them); builds the example first, with this test's profile, through cargo.
 
-use std::path::{Path, PathBuf};
+mod train_example;
+
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -17,27 +19,6 @@ const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// One test at a time: their MPI jobs in parallel would oversubscribe the cores many times over.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// The example binary of this test's profile, built (or found up to date) by cargo.
-fn train_example() -> Outcome<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let profile_dir =
-        exe.parent().and_then(Path::parent).ok_or("test binary outside target/<profile>/deps")?;
-    let target_dir = profile_dir.parent().ok_or("profile directory outside a target directory")?;
-    let mut cargo = Command::new(env!("CARGO"));
-    cargo
-        .args(["build", "--locked", "--quiet", "--features", "mpi", "--example", "train"])
-        .arg("--manifest-path")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(target_dir);
-    if profile_dir.file_name().is_some_and(|name| name == "release") {
-        cargo.arg("--release");
-    }
-    let status = cargo.status()?;
-    assert!(status.success(), "building the train example failed: {status}");
-    Ok(profile_dir.join("examples").join("train"))
-}
 
 /// Runs `command` to its end, or kills it past [`JOB_TIMEOUT`] plus a grace period.
 fn run(mut command: Command) -> Outcome<Output> {
@@ -97,7 +78,7 @@ fn text(output: &Output) -> String {
 #[test]
 fn two_ranks_on_half_batches_follow_one_process_on_the_whole_batch() -> Outcome {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let exe = train_example()?;
+    let exe = train_example::built()?;
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("main_job_dp_{}", std::process::id()));
     let (one, two, two_bf16) = (dir.join("one"), dir.join("two"), dir.join("two_bf16"));
 
@@ -141,7 +122,7 @@ fn two_ranks_on_half_batches_follow_one_process_on_the_whole_batch() -> Outcome 
 #[test]
 fn a_batch_that_does_not_split_over_the_ranks_is_refused() -> Outcome {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let exe = train_example()?;
+    let exe = train_example::built()?;
     let out =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("main_job_dp_refused_{}", std::process::id()));
     // The tiny model's batch of 16 sequences over 3 ranks.

@@ -15,7 +15,7 @@
 use amp::distributed::{Communicator, DataParallel, DataParallelConfig, Mpi, Wire};
 use candle_core::Tensor;
 
-use crate::Run;
+use crate::{Error, Run};
 
 /// This process's place in a data-parallel job: its group and how gradients travel.
 #[derive(Clone, Copy, Debug)]
@@ -172,8 +172,8 @@ pub fn ranks_json(runs: &[Run], ranks: &[Vec<RankRun>]) -> serde_json::Value {
 pub fn launch(
     wire: Wire,
     batch: usize,
-    job: impl FnOnce(Group<'_>) -> Result<(), Box<dyn std::error::Error + Send + Sync>>,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    job: impl FnOnce(Group<'_>) -> Result<(), Error>,
+) -> Result<(), Error> {
     use_local_share_of_cores();
     let refused = {
         let comm = Mpi::init()?;

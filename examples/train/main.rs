@@ -34,6 +34,8 @@ mod trainer;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+use std::path::Path;
+use std::process::ExitCode;
 use std::time::Instant;
 
 use amp::{AmpModuleExt, Precision};
@@ -50,7 +52,20 @@ use trainer::{config_for, run_name, train_runs, SeedData};
 /// The seed of the Markov source, and the base of each seed's data stream.
 const SEED: u64 = 2026;
 
-fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// Whatever stops the main job, printed as `error: ...` (its message, not its `Debug` form).
+pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Error> {
     // candle's pool parks its idle workers after a few spins instead of a millisecond's, during which
     // they held the cores amp's GEMM needs (see `amp::threads`: steps 3-6% shorter than with candle's
     // ops on this thread alone, 14-25% than with its default pool). First thing, before candle's first
@@ -90,8 +105,11 @@ fn train(
     args: &Args,
     group: Option<Group<'_>>,
     candle_threads: &amp::threads::CandleThreads,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<(), Error> {
     let root = group.is_none_or(|g| g.rank() == 0);
+    if root {
+        prepare_out(&args.out)?;
+    }
     let device = Device::Cpu;
     let started = Instant::now();
 
@@ -132,7 +150,6 @@ fn train(
         report::across_seeds(&seeds, floor);
     }
 
-    std::fs::create_dir_all(&args.out)?;
     let (GptShape { embed, layers, heads, seq, .. }, batch) = (size.shape, size.batch);
     let data_parallel =
         group.map(|g| serde_json::json!({ "ranks": g.world(), "wire": g.wire(), "per_rank": per_rank }));
@@ -144,19 +161,25 @@ fn train(
         "data_parallel": data_parallel, "avx2_only": args.avx2_only,
         "seeds": seeds.iter().map(|s| report::seed_json(s, size.tokens(), floor)).collect::<Vec<_>>(),
     });
-    std::fs::write(args.out.join("results.json"), serde_json::to_string_pretty(&results)?)?;
+    let path = args.out.join("results.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&results)?).map_err(writing(&path))?;
     // The curves of the first seed.
     let runs = &seeds[0].runs;
-    let mut csv = csv::Writer::from_path(args.out.join("loss_curves.csv"))?;
-    csv.write_record(std::iter::once("step").chain(runs.iter().map(|r| r.name.as_str())))?;
-    for i in 0..steps {
-        let losses = runs.iter().map(|r| r.curve[i].1.to_string());
-        csv.write_record(std::iter::once((i + 1).to_string()).chain(losses))?;
-    }
-    csv.flush()?;
+    let path = args.out.join("loss_curves.csv");
+    let write_csv = || -> Result<(), csv::Error> {
+        let mut csv = csv::Writer::from_path(&path)?;
+        csv.write_record(std::iter::once("step").chain(runs.iter().map(|r| r.name.as_str())))?;
+        for i in 0..steps {
+            let losses = runs.iter().map(|r| r.curve[i].1.to_string());
+            csv.write_record(std::iter::once((i + 1).to_string()).chain(losses))?;
+        }
+        Ok(csv.flush()?)
+    };
+    write_csv().map_err(writing(&path))?;
     let curves: Vec<(&str, &[(usize, f32)])> =
         runs.iter().map(|r| (r.name.as_str(), r.curve.as_slice())).collect();
-    plot::loss_curves(&args.out.join("loss_curves.png"), &curves, floor)?;
+    let path = args.out.join("loss_curves.png");
+    plot::loss_curves(&path, &curves, floor).map_err(writing(&path))?;
     println!(
         "wrote results.json, loss_curves.csv and loss_curves.png{} to {} ({:.0} s)",
         if seeds.len() > 1 { " (curves of seed 0)" } else { "" },
@@ -166,8 +189,25 @@ fn train(
     Ok(())
 }
 
+/// Creates the output folder (and its parents) and checks that files can be written there, before any
+/// training: a bad `--out` then fails at once instead of after the runs, whose results it would lose.
+fn prepare_out(dir: &Path) -> Result<(), Error> {
+    let problem = |what: &str, e: std::io::Error| format!("--out {}: {what}: {e}", dir.display());
+    std::fs::create_dir_all(dir).map_err(|e| problem("cannot create the folder", e))?;
+    let probe = dir.join(".amp-write-check");
+    std::fs::write(&probe, b"")
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map_err(|e| problem("cannot write files there", e))?;
+    Ok(())
+}
+
+/// The error of writing `path`, naming it.
+fn writing<E: std::fmt::Display>(path: &Path) -> impl FnOnce(E) -> Error + '_ {
+    move |e| format!("writing {}: {e}", path.display()).into()
+}
+
 /// Every product on amp's AVX2 kernel, amp's vector loops capped at AVX2 (`--avx2-only`).
-fn as_avx2_only() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn as_avx2_only() -> Result<(), Error> {
     if !amp_kernels::Isa::Avx2.is_supported() {
         return Err("--avx2-only: this CPU has no AVX2 (and FMA, F16C)".into());
     }

@@ -10,14 +10,14 @@ use std::path::Path;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
+use crate::Error;
+
 const WIDTH: u32 = 1000;
 const HEIGHT: u32 = 760;
 const SMOOTH: usize = 10;
 const WIDTHS: [u32; 4] = [6, 3, 1, 1];
 const COLOURS: [RGBColor; 4] =
     [RGBColor(0, 0, 0), RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44)];
-
-type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// Draws the curves (`(name, [(step, loss)])`, fp32 first if present) and the floor into `path`.
 pub fn loss_curves(path: &Path, runs: &[(&str, &[(usize, f32)])], floor: f64) -> Result<(), Error> {

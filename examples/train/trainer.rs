@@ -15,7 +15,7 @@ use crate::args::{Args, Size};
 use crate::distributed::Group;
 use crate::gpt::Gpt;
 use crate::markov::{split, Markov};
-use crate::SEED;
+use crate::{Error, SEED};
 use amp::distributed::DataParallel;
 
 const EVAL_SEQS: usize = 64;
@@ -212,7 +212,7 @@ pub(crate) fn train_runs(
     weights: &HashMap<String, Tensor>,
     data: &SeedData,
     group: Option<Group<'_>>,
-) -> Result<Vec<Run>, Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<Vec<Run>, Error> {
     let size = args.size;
     let steps = data.batches.len();
     let mut trainers = args
