@@ -33,6 +33,11 @@ use peak::Peak;
 use peer::{ChildPeer, PeerDtype};
 use timing::median;
 
+/// The longest a peer's product may be expected to take (at its speed on the shape before) for the
+/// peer to run a shape: PyTorch multiplies bf16 at 0.3 GFLOP/s on an AVX2-only CPU (no bf16 kernel
+/// there: 57 s for 2048^3, 8 minutes for 4096^3), which would keep the sweep from ending.
+const PEER_PRODUCT_LIMIT_S: f64 = 2.0;
+
 /// How B is read: `Normal` row-major `(k, n)`, `Transposed` a row-major `(n, k)` read as its transpose.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Layout {
@@ -207,6 +212,11 @@ impl Contender {
         v
     }
 
+    /// Whether it runs in a child process (`peer.rs`): a column that may be too slow to run every shape.
+    fn is_peer(self) -> bool {
+        matches!(self, Contender::Torch(_) | Contender::CandleX86V4)
+    }
+
     fn name(self) -> String {
         match self {
             Contender::Amp(path, compute) => format!("amp {} {path}", format!("{compute:?}").to_lowercase()),
@@ -248,7 +258,14 @@ fn run(shapes: Vec<Shape>) {
     }
     let contenders = Contender::all(torch.is_some(), x86_v4.is_some());
     let mut summary = timing::Summary::default();
+    // Each peer's GFLOP/s on the last shape it ran.
+    let mut peer_speed: Vec<Option<f64>> = vec![None; contenders.len()];
     for s in shapes {
+        let flops = Dims::new(s.m, s.n, s.k).flops();
+        let expected_s: Vec<Option<f64>> =
+            peer_speed.iter().map(|speed| speed.map(|g| flops / g / 1e9)).collect();
+        let not_run: Vec<bool> =
+            expected_s.iter().map(|t| t.is_some_and(|t| t > PEER_PRODUCT_LIMIT_S)).collect();
         let ops = Operands::new(&s);
         let dims = Dims::new(s.m, s.n, s.k);
         let mut c32 = vec![0.0f32; s.m * s.n];
@@ -261,8 +278,11 @@ fn run(shapes: Vec<Shape>) {
         for peer in torch.iter_mut().chain(&mut x86_v4) {
             peer.shape(&s);
         }
-        let mut call = |c: Contender| -> Option<f64> {
-            match c {
+        let call = |i: usize| -> Option<f64> {
+            if not_run[i] {
+                return Some(f64::NAN);
+            }
+            match contenders[i] {
                 Contender::Amp(path, compute) => {
                     let (a, b, out) = match compute {
                         Compute::Bf16 => (
@@ -305,13 +325,24 @@ fn run(shapes: Vec<Shape>) {
             }
             None
         };
-        let (times, peaks) = timing::interleaved(contenders.len(), |i| call(contenders[i]));
+        let (times, peaks) = timing::interleaved(contenders.len(), call);
         println!("\n{} (m {}, k {}, n {}): {:.2} GFLOP", s.name, s.m, s.k, s.n, dims.flops() / 1e9);
-        let rows: Vec<timing::Row> = contenders
-            .iter()
-            .zip(times)
-            .map(|(c, t)| timing::Row { name: c.name(), seconds: median(&t), peak: c.peak() })
-            .collect();
+        let mut rows = Vec::new();
+        for (i, (c, t)) in contenders.iter().zip(times).enumerate() {
+            let seconds = median(&t);
+            if not_run[i] {
+                let (speed, expected) =
+                    (peer_speed[i].unwrap_or(f64::NAN), expected_s[i].unwrap_or(f64::NAN));
+                let why =
+                    format!("{expected:.0} s a product at its {speed:.1} GFLOP/s of the last shape it ran");
+                println!("  {}: not run ({why})", c.name());
+                continue;
+            }
+            if c.is_peer() {
+                peer_speed[i] = Some(flops / seconds / 1e9);
+            }
+            rows.push(timing::Row { name: c.name(), seconds, peak: c.peak() });
+        }
         timing::print(&rows, dims.flops(), &peaks);
         summary.add(&s.name, dims.flops(), rows, &peaks);
     }

@@ -190,9 +190,11 @@ impl Summary {
             self.ahead("amp f32", |r| r.name.starts_with("amp f32"), "candle x86-v4 f32", false);
         }
         if find(any, "torch bf16").is_some() {
-            let torch = find(rows, "torch bf16").unwrap_or(f64::NAN);
             println!("  PyTorch (a peer column):");
-            println!("    amp bf16 / torch bf16 at 2048^3: {:.2}x", torch / best_bf16);
+            match find(rows, "torch bf16") {
+                Some(torch) => println!("    amp bf16 / torch bf16 at 2048^3: {:.2}x", torch / best_bf16),
+                None => println!("    torch bf16 not run at 2048^3 (too slow on this CPU)"),
+            }
             self.ahead("amp bf16", |r| r.name.starts_with("amp bf16"), "torch bf16", true);
         }
     }
@@ -200,11 +202,12 @@ impl Summary {
     /// Prints every shape where the first row that is `ours` is not faster than the row named `peer`,
     /// then on how many shapes it is (with the goal of all, where `goal`).
     fn ahead(&self, label: &str, ours: impl Fn(&Row) -> bool, peer: &str, goal: bool) {
-        let mut ahead = 0;
+        let (mut ahead, mut compared) = (0, 0);
         for (shape, _, rows) in &self.shapes {
             let us = rows.iter().find(|r| ours(r)).map(|r| r.seconds);
             let them = rows.iter().find(|r| r.name == peer).map(|r| r.seconds);
             if let (Some(us), Some(them)) = (us, them) {
+                compared += 1;
                 if us < them {
                     ahead += 1;
                 } else {
@@ -213,6 +216,8 @@ impl Summary {
             }
         }
         let goal = if goal { " (goal: all)" } else { "" };
-        println!("    {label} ahead of {peer} on {ahead} of {} shapes{goal}", self.shapes.len());
+        let not_run = self.shapes.len() - compared;
+        let not_run = if not_run > 0 { format!(" (not run on {not_run}: too slow)") } else { String::new() };
+        println!("    {label} ahead of {peer} on {ahead} of {compared} shapes{goal}{not_run}");
     }
 }
