@@ -33,9 +33,10 @@ use peak::Peak;
 use peer::{ChildPeer, PeerDtype};
 use timing::median;
 
-/// The longest a peer's product may be expected to take (at its speed on the shape before) for the
-/// peer to run a shape: PyTorch multiplies bf16 at 0.3 GFLOP/s on an AVX2-only CPU (no bf16 kernel
-/// there: 57 s for 2048^3, 8 minutes for 4096^3), which would keep the sweep from ending.
+/// The longest a peer's product may be expected to take (at its speed on the last shape it ran) for
+/// the peer to run a shape: PyTorch multiplies bf16 at 0.3-24 GFLOP/s on an AVX2-only CPU (it has no
+/// bf16 kernel there: 57 s for 2048^3, some 8 minutes for 4096^3), which would keep the sweep from
+/// ending.
 const PEER_PRODUCT_LIMIT_S: f64 = 2.0;
 
 /// How B is read: `Normal` row-major `(k, n)`, `Transposed` a row-major `(n, k)` read as its transpose.
@@ -261,13 +262,13 @@ fn run(shapes: Vec<Shape>) {
     // Each peer's GFLOP/s on the last shape it ran.
     let mut peer_speed: Vec<Option<f64>> = vec![None; contenders.len()];
     for s in shapes {
-        let flops = Dims::new(s.m, s.n, s.k).flops();
+        let dims = Dims::new(s.m, s.n, s.k);
+        let flops = dims.flops();
         let expected_s: Vec<Option<f64>> =
             peer_speed.iter().map(|speed| speed.map(|g| flops / g / 1e9)).collect();
         let not_run: Vec<bool> =
             expected_s.iter().map(|t| t.is_some_and(|t| t > PEER_PRODUCT_LIMIT_S)).collect();
         let ops = Operands::new(&s);
-        let dims = Dims::new(s.m, s.n, s.k);
         let mut c32 = vec![0.0f32; s.m * s.n];
         let mut c16 = vec![f16::ZERO; s.m * s.n];
         let mut cbf = vec![bf16::ZERO; s.m * s.n];
@@ -326,7 +327,7 @@ fn run(shapes: Vec<Shape>) {
             None
         };
         let (times, peaks) = timing::interleaved(contenders.len(), call);
-        println!("\n{} (m {}, k {}, n {}): {:.2} GFLOP", s.name, s.m, s.k, s.n, dims.flops() / 1e9);
+        println!("\n{} (m {}, k {}, n {}): {:.2} GFLOP", s.name, s.m, s.k, s.n, flops / 1e9);
         let mut rows = Vec::new();
         for (i, (c, t)) in contenders.iter().zip(times).enumerate() {
             let seconds = median(&t);
@@ -343,8 +344,8 @@ fn run(shapes: Vec<Shape>) {
             }
             rows.push(timing::Row { name: c.name(), seconds, peak: c.peak() });
         }
-        timing::print(&rows, dims.flops(), &peaks);
-        summary.add(&s.name, dims.flops(), rows, &peaks);
+        timing::print(&rows, flops, &peaks);
+        summary.add(&s.name, flops, rows, &peaks);
     }
     summary.print();
 }

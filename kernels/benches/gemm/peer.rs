@@ -4,13 +4,13 @@
 //!
 //! - `AMP_BENCH_TORCH` names a Python that has PyTorch: its bf16 and f32 matmul
 //!   (`scripts/torch_peer.py`; `scripts/torch-bench.sh` sets it up).
-//!
-//! A peer is not run on a shape where its speed on the last shape it ran says a product would take
-//! more than `PEER_PRODUCT_LIMIT_S` (PyTorch's bf16 on an AVX2-only CPU); the table says so.
 //! - `AMP_BENCH_CANDLE_X86_V4` names the `candle-x86-v4-peer` binary: candle's f32 matmul built with
 //!   its `gemm` dependency's `x86-v4` feature, AVX-512 kernels that candle's default build leaves out
 //!   (`bench-peers/candle-x86-v4/`; `scripts/candle-x86-v4-bench.sh` builds it). A child process,
 //!   because that feature would change the candle of this build, whose default is a column of its own.
+//!
+//! A peer is not run on a shape where its speed on the last shape it ran says a product would take
+//! more than `PEER_PRODUCT_LIMIT_S` (PyTorch's bf16 on an AVX2-only CPU); the table says so.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
