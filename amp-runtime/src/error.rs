@@ -2,8 +2,9 @@
 
 use candle_core::DType;
 
-/// Errors of the amp runtime.
-#[derive(Debug, thiserror::Error)]
+/// Errors of the amp runtime. Each message says what to do, and `Debug` prints that message too (see
+/// its impl), so that `fn main() -> amp::Result<()>` shows it.
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     // ---- precisions and policies ----
@@ -491,11 +492,76 @@ pub enum Error {
 /// The runtime's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The message ([`Display`](std::fmt::Display)), then each source whose words it does not already
+/// hold, a line each. An error returned from `main` is printed with `Debug` (std's `Termination`), as is
+/// one in a `Box<dyn Error>` or an `unwrap`: with a derived `Debug` a user would read the variant's
+/// fields (`GemmPathUnsupported { path: Avx512, features: "avx512f" }`) where the message says what to
+/// do (`... use Override::Auto`).
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let message = self.to_string();
+        f.write_str(&message)?;
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            let words = cause.to_string();
+            if !message.contains(&words) {
+                write!(f, "\ncaused by: {words}")?;
+            }
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
 impl From<Error> for candle_core::Error {
     fn from(err: Error) -> Self {
         match err {
             Error::Candle(inner) => inner,
             other => candle_core::Error::wrap(other),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    #[test]
+    fn debug_prints_the_message_that_says_what_to_do() {
+        let err =
+            Error::GemmPathUnsupported { path: amp_kernels::gemm::GemmPath::Avx512, features: "avx512f" };
+        assert_eq!(format!("{err:?}"), err.to_string());
+        assert!(format!("{err:?}").ends_with("use Override::Auto"), "{err:?}");
+    }
+
+    #[test]
+    fn debug_adds_the_sources_the_message_does_not_hold() {
+        // The io error is in the message already: not repeated.
+        let source = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let err = Error::CheckpointIo { path: "ckpt.safetensors".into(), action: "read", source };
+        assert_eq!(format!("{err:?}"), "checkpoint ckpt.safetensors: cannot read the file: no such file");
+        // A cause below the source that the message does not hold: a line of its own.
+        let source = std::io::Error::other(Mount(std::io::Error::other("the volume went away")));
+        let err = Error::CheckpointIo { path: "ckpt.safetensors".into(), action: "write", source };
+        assert_eq!(
+            format!("{err:?}"),
+            "checkpoint ckpt.safetensors: cannot write the file: the mount failed\ncaused by: the volume went away"
+        );
+    }
+
+    /// An error with a source of its own, which its message leaves out.
+    #[derive(Debug)]
+    struct Mount(std::io::Error);
+
+    impl std::fmt::Display for Mount {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("the mount failed")
+        }
+    }
+
+    impl std::error::Error for Mount {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
         }
     }
 }
