@@ -4,7 +4,7 @@
 # Installs PyTorch from PyPI into ./.venv-torch the first time (about 5 GB with the CUDA libraries its
 # wheel depends on; it runs on the CPU here), unless AMP_BENCH_TORCH already names a Python that has it.
 # Never part of CI or the tests. Arguments go to the bench (e.g. --quick). On a CPU where PyTorch has no
-# fast bf16 kernel (AVX2 only: about 1 GFLOP/s) the bench skips its bf16 column on the shapes it would
+# fast bf16 kernel (AVX2 only: 0.3-24 GFLOP/s) the bench skips its bf16 column on the shapes it would
 # take more than 2 s a product on, and says so.
 set -euo pipefail
 
