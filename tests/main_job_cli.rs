@@ -52,3 +52,21 @@ fn an_unknown_precision_is_refused_with_the_names_accepted() -> Outcome {
     assert!(!out.exists(), "nothing written for a refused command");
     Ok(())
 }
+
+#[test]
+#[cfg(target_os = "linux")]
+fn an_output_folder_that_cannot_be_written_is_refused_before_training() -> Outcome {
+    // sysfs refuses a new file in its root to every user, root included: a folder that exists (so
+    // creating it succeeds) but takes no files.
+    let out = Path::new("/sys");
+    if !out.is_dir() {
+        eprintln!("skipped: no /sys here");
+        return Ok(());
+    }
+    let output = train(&[], out)?;
+    let (stdout, stderr) = refusal(&output);
+    assert_eq!(output.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stderr.starts_with("error: --out /sys: cannot write files there: "), "{stderr}");
+    assert!(!stdout.contains("step") && !stdout.contains("tokens/s"), "{stdout}");
+    Ok(())
+}
