@@ -25,8 +25,8 @@ use amp_kernels::optim::{adam_step_with, AdamParams, AdamTensor};
 use amp_kernels::timing::Interleaved;
 use amp_kernels::unscale::unscale_and_check_with;
 use amp_kernels::{GradSlice, GradSliceMut, HalfSliceMut, Isa};
-use half::f16;
 use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 const ROUNDS: usize = 31;
@@ -104,6 +104,7 @@ fn run(lens: &[usize], n: usize) {
     let mut m = filled(n, 6, |h| noise(h) * 1e-3);
     let mut v = filled(n, 7, |h| noise(h).abs() * 1e-6);
     let mut w16: Vec<f16> = p.par_iter().map(|&x| f16::from_f32(x)).collect();
+    let mut wbf: Vec<bf16> = p.par_iter().map(|&x| bf16::from_f32(x)).collect();
 
     let rows = vec![
         row("STREAM triad a=b+s*c (16 B real)", 16.0, None),
@@ -117,6 +118,8 @@ fn run(lens: &[usize], n: usize) {
         row("unscale+check f32, 24,629 tensors", 8.0, Some(2)),
         row("AdamW fp32 (28 B)", 28.0, Some(4)),
         row("AdamW f16 grad+f16 working (28 B)", 28.0, Some(4)),
+        row("AdamW f32 grad+f16 working (30 B)", 30.0, Some(4)),
+        row("AdamW f32 grad+bf16 working (30 B)", 30.0, Some(4)),
         row("AdamW fp32, portable path (28 B)", 28.0, Some(4)),
     ];
     let hp = AdamParams::default();
@@ -165,27 +168,50 @@ fn run(lens: &[usize], n: usize) {
         let mut gs: Vec<GradSliceMut<'_>> = g32.chunks_mut(1024).map(GradSliceMut::F32).collect();
         t.time(|| assert_eq!(unscale_and_check_with(isa, &mut gs, s), None));
         drop(gs);
-        for (grad16, path) in [(false, isa), (true, isa), (false, Isa::Portable)] {
-            let (ps, ms, vs, ws) =
-                (split(&mut p, lens), split(&mut m, lens), split(&mut v, lens), split(&mut w16, lens));
+        for (adam, path) in [
+            (Adam::F32, isa),
+            (Adam::F16GradF16Working, isa),
+            (Adam::F16Working, isa),
+            (Adam::Bf16Working, isa),
+            (Adam::F32, Isa::Portable),
+        ] {
+            let (ps, ms, vs) = (split(&mut p, lens), split(&mut m, lens), split(&mut v, lens));
+            let working = split(&mut w16, lens).into_iter().zip(split(&mut wbf, lens));
             let (g32s, g16s) = (split_ref(&g32, lens), split_ref(&g16, lens));
-            let mut ts: Vec<AdamTensor<'_>> = ps
-                .into_iter()
-                .zip(ms)
-                .zip(vs.into_iter().zip(ws))
-                .zip(g32s.into_iter().zip(g16s))
-                .map(|(((p, m), (v, w)), (g32, g16))| {
-                    if grad16 {
-                        AdamTensor::new(p, GradSlice::F16(g16), m, v).with_working(HalfSliceMut::F16(w))
-                    } else {
-                        AdamTensor::new(p, GradSlice::F32(g32), m, v)
-                    }
-                })
-                .collect();
+            let mut ts: Vec<AdamTensor<'_>> =
+                ps.into_iter()
+                    .zip(ms)
+                    .zip(vs.into_iter().zip(working))
+                    .zip(g32s.into_iter().zip(g16s))
+                    .map(|(((p, m), (v, (w16, wbf))), (g32, g16))| match adam {
+                        Adam::F32 => AdamTensor::new(p, GradSlice::F32(g32), m, v),
+                        Adam::F16GradF16Working => {
+                            AdamTensor::new(p, GradSlice::F16(g16), m, v).with_working(HalfSliceMut::F16(w16))
+                        }
+                        Adam::F16Working => {
+                            AdamTensor::new(p, GradSlice::F32(g32), m, v).with_working(HalfSliceMut::F16(w16))
+                        }
+                        Adam::Bf16Working => AdamTensor::new(p, GradSlice::F32(g32), m, v)
+                            .with_working(HalfSliceMut::Bf16(wbf)),
+                    })
+                    .collect();
             t.time(|| adam_step_with(path, &mut ts, &hp, 1.0 / 1024.0));
         }
     }
     report(&rows, &harness, n);
+}
+
+/// The AdamW rows' operands: the gradient's dtype and the working copy written.
+#[derive(Clone, Copy)]
+enum Adam {
+    /// f32 gradient, no working copy (fp32 training).
+    F32,
+    /// f16 gradient and f16 working copy (O2 fp16 with half gradients).
+    F16GradF16Working,
+    /// f32 gradient (the master's), f16 working copy.
+    F16Working,
+    /// f32 gradient (the master's), bf16 working copy (O2 bf16).
+    Bf16Working,
 }
 
 fn report(rows: &[Row], harness: &Interleaved, n: usize) {
