@@ -247,6 +247,30 @@ pub enum Error {
         path: String,
     },
 
+    /// A scaler that [`GradScaler::for_model`](crate::GradScaler::for_model) disabled, because the
+    /// model computed in no fp16 then, stepping a model that does: it was initialized afterwards.
+    #[error(
+        "the model computes in fp16 ({found}), but this loss scaler was built by `GradScaler::for_model` \
+         when it did not (before `amp::initialize`), so it is disabled and small fp16 gradients would \
+         flush to zero unscaled; nothing was changed. Build the scaler after `amp::initialize`, or with \
+         `GradScaler::new(ScalerConfig::default())`"
+    )]
+    ScalerBuiltBeforeFp16 {
+        /// Where fp16 was found.
+        found: String,
+    },
+
+    /// A loss that is not one value.
+    #[error(
+        "the loss must be one value (shape [] or [1]) to take gradients of, but has shape {shape:?}: \
+         reduce it first, e.g. with `.mean_all()` (backward would otherwise differentiate the sum of its \
+         elements); nothing was changed"
+    )]
+    LossNotScalar {
+        /// The loss's shape.
+        shape: Vec<usize>,
+    },
+
     /// A scaled fp16 gradient with no fp32 master to unscale it into (an O3 fp16 parameter).
     #[error(
         "`{path}` has an fp16 gradient and no fp32 master: unscaling it by 1/{scale} in fp16 would flush \
@@ -311,6 +335,19 @@ pub enum Error {
         path: String,
         /// Its storage precision.
         precision: crate::Precision,
+    },
+    /// An optimizer whose parameters the model converted after the optimizer took them (built before
+    /// `amp::initialize`, or kept across another `initialize`): its steps would update variables that
+    /// forward no longer reads.
+    #[error(
+        "`{path}` was converted (by `amp::initialize` or `Param::set_storage`) after this optimizer took \
+         its variables, so its steps would train copies the model no longer reads; nothing was changed. \
+         Build the optimizer after `amp::initialize` (`ParamGroups::from_model(&model)`, then the \
+         optimizer), and again after initializing the model anew"
+    )]
+    StaleParams {
+        /// The first parameter found converted.
+        path: String,
     },
     /// Optimizer saved state that does not fit the optimizer it is loaded into.
     #[error("optimizer: {reason}")]

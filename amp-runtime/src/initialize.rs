@@ -67,6 +67,7 @@ pub fn initialize<M: AmpModule + ?Sized>(model: &mut M, config: AmpConfig) -> Re
                 first_error = Some(err);
                 return;
             }
+            param.record_compute(compute);
             converted.insert(key, (site.param_path(name), storage, param.clone()));
         }
     };

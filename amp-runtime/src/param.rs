@@ -1,5 +1,8 @@
 //! A trainable parameter with an optional fp32 master copy.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
@@ -69,12 +72,48 @@ pub struct Param {
     trainable: Var,
     master: Option<Var>,
     route: GradientRoute,
+    conversions: Conversions,
+}
+
+/// What a parameter's optimizer must know of the model that holds it, shared by the parameter's clones
+/// and by the optimizers that took its variables: how many times its storage was converted
+/// ([`Param::set_storage`]), so that an optimizer built before `amp::initialize` converted it refuses
+/// to step ([`crate::Error::StaleParams`]) rather than train variables forward never reads; and
+/// whether its layer computes in fp16 now, so that a step that needs a loss scaler can tell.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Conversions(Arc<Shared>);
+
+#[derive(Debug, Default)]
+struct Shared {
+    count: AtomicU64,
+    fp16_compute: AtomicBool,
+}
+
+impl Conversions {
+    /// The count now.
+    pub(crate) fn count(&self) -> u64 {
+        self.0.count.load(Ordering::Acquire)
+    }
+
+    /// Whether the parameter's layer computes in fp16, as `amp::initialize` last set it.
+    pub(crate) fn computes_in_fp16(&self) -> bool {
+        self.0.fp16_compute.load(Ordering::Acquire)
+    }
+
+    fn bump(&self) {
+        self.0.count.fetch_add(1, Ordering::AcqRel);
+    }
 }
 
 impl Param {
     /// A parameter trained directly, in the variable's own dtype.
     pub fn new(var: Var) -> Self {
-        Param { trainable: var, master: None, route: GradientRoute::default() }
+        Param {
+            trainable: var,
+            master: None,
+            route: GradientRoute::default(),
+            conversions: Conversions::default(),
+        }
     }
 
     /// A parameter from a tensor (shares storage when the tensor already is a variable, as the tensors a
@@ -196,7 +235,18 @@ impl Param {
             }
         };
         (self.trainable, self.master) = (trainable, master);
+        self.conversions.bump();
         Ok(())
+    }
+
+    /// What an optimizer that takes this parameter's variables follows of it.
+    pub(crate) fn conversions(&self) -> &Conversions {
+        &self.conversions
+    }
+
+    /// Records the precision the parameter's layer computes in (`amp::initialize` sets it).
+    pub(crate) fn record_compute(&self, compute: Precision) {
+        self.conversions.0.fp16_compute.store(compute == Precision::Fp16, Ordering::Release);
     }
 
     /// Drops the fp32 master and keeps the working copy, the same variable, as the parameter's only

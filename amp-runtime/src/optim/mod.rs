@@ -149,9 +149,9 @@ impl GradScaler {
         stages: &mut dyn StepStages,
     ) -> Result<StepReport> {
         check_max_grad_norm(max_grad_norm)?;
+        optimizer.param_groups().ensure_current()?;
         self.reclaim()?;
-        let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
-        let loss_finite = value.is_finite();
+        let loss_finite = crate::scaler::loss_value(loss)?.is_finite();
         if !loss_finite && !stages.collective() {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
@@ -189,6 +189,7 @@ impl GradScaler {
         stages: &mut dyn StepStages,
     ) -> Result<StepReport> {
         check_max_grad_norm(max_grad_norm)?;
+        optimizer.param_groups().ensure_current()?;
         self.reclaim()?;
         let params = optimizer.param_groups().params();
         // A parameter without a gradient is refused before the window is taken, so that its sums are
@@ -222,6 +223,7 @@ impl GradScaler {
     ) -> Result<StepReport> {
         let inv_scale = 1.0 / self.scale();
         let params = optimizer.param_groups().params();
+        self.refuse_unscaled_fp16(|| first_fp16(params, &grads))?;
         self.check_gradients_once(params.iter().map(OptimParam::checked), &grads)?;
         let present = driver::with_grads(params, None, &grads)?;
         let tensors: Vec<_> = present.iter().map(|(_, g)| *g).collect();
@@ -263,6 +265,21 @@ impl GradScaler {
         stages.after_step()?;
         self.update(None)
     }
+}
+
+/// Where a step's computation was fp16, for [`GradScaler::refuse_unscaled_fp16`]: a parameter stored
+/// in fp16 (an O2 working copy or an O3 parameter) or read by a layer that computes in fp16 (O1), else
+/// any fp16 gradient of the graph (an fp16 op outside amp's layers).
+pub(crate) fn first_fp16(params: &[OptimParam], grads: &GradStore) -> Option<String> {
+    if let Some(p) = params.iter().find(|p| p.trainable.dtype() == DType::F16) {
+        return Some(format!("`{}` is stored in fp16", p.path));
+    }
+    if let Some(p) = params.iter().find(|p| p.conversions.as_ref().is_some_and(|(c, _)| c.computes_in_fp16()))
+    {
+        return Some(format!("the layer of `{}` computes in fp16", p.path));
+    }
+    let fp16 = grads.get_ids().filter_map(|id| grads.get_id(*id)).any(|g| g.dtype() == DType::F16);
+    fp16.then(|| "gradients of its graph are fp16".to_string())
 }
 
 /// Refuses a clipping threshold that is not a positive finite number, before anything runs: NaN would

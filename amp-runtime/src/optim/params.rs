@@ -5,6 +5,7 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::error::{Error, Result};
+use crate::param::Conversions;
 use crate::{AmpModule, ParamStorage};
 
 /// One parameter as an optimizer sees it.
@@ -24,6 +25,9 @@ pub struct OptimParam {
     pub(crate) group: usize,
     /// What the parameter's layer says about weight decay ([`crate::Layer::no_weight_decay`]).
     pub(crate) no_decay: bool,
+    /// The model parameter's conversion count, and its value when the variables above were taken
+    /// (none for bare variables).
+    pub(crate) conversions: Option<(Conversions, u64)>,
 }
 
 impl OptimParam {
@@ -40,8 +44,24 @@ impl OptimParam {
     }
 
     /// This parameter's gradient in `grads` (keyed by the working copy or the master).
+    ///
+    /// # Errors
+    /// [`Error::StaleParams`] when the model's parameter was converted after these variables were taken.
     pub(crate) fn grad<'g>(&self, grads: &'g GradStore) -> Result<Option<&'g Tensor>> {
+        self.ensure_current()?;
         crate::master::gradient(grads, &self.path, &self.trainable, &self.master)
+    }
+
+    /// Refuses variables the model no longer reads: its parameter was converted
+    /// ([`Param::set_storage`](crate::Param::set_storage), as `amp::initialize` does) after the
+    /// optimizer took them.
+    fn ensure_current(&self) -> Result<()> {
+        match &self.conversions {
+            Some((conversions, taken)) if conversions.count() != *taken => {
+                Err(Error::StaleParams { path: self.path.clone() })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The parameter as the first step's gradient check sees it.
@@ -104,6 +124,7 @@ impl ParamGroups {
                 trainable: param.trainable().clone(),
                 group: 0,
                 no_decay: layer.no_weight_decay(name),
+                conversions: Some((param.conversions().clone(), param.conversions().count())),
             });
         });
         first_error.map_or(Ok(()), Err)?;
@@ -144,6 +165,7 @@ impl ParamGroups {
                     no_decay: var.rank() <= 1,
                     trainable: var,
                     group: 0,
+                    conversions: None,
                 })
             })
             .collect::<Result<_>>()?;
@@ -161,6 +183,12 @@ impl ParamGroups {
             }
         }
         self
+    }
+
+    /// Refuses to step parameters whose model converted them after they were taken
+    /// ([`Error::StaleParams`]): what every step of amp's scalers checks before it runs backward.
+    pub(crate) fn ensure_current(&self) -> Result<()> {
+        self.params.iter().try_for_each(OptimParam::ensure_current)
     }
 
     /// The parameters, in order.

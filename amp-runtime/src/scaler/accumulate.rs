@@ -276,7 +276,8 @@ impl GradScaler {
         if let Some(interrupted) = accumulator.interrupted(scale, steps) {
             return Err(interrupted);
         }
-        let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        self.refuse_unscaled_fp16(|| super::first_fp16_layer(model))?;
+        let value = super::loss_value(loss)?;
         // The sums so far, given to the pass: amp's Linear adds its weight's gradient into its sum
         // in the product itself. An error after that leaves sums partly added: the window is emptied.
         let passed =

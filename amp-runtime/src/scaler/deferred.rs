@@ -134,6 +134,8 @@ impl GradScaler {
         // Refused here, before anything is queued: an optimizer's own refusal inside the queued step
         // would count as a skipped step on the device.
         crate::optim::validate::non_negative("lr", optimizer.learning_rate())?;
+        optimizer.param_groups().ensure_current()?;
+        super::ensure_one_value(loss)?;
         if !loss.device().is_cuda() {
             let report = self.step_fused(loss, optimizer, max_grad_norm)?;
             self.window.add_report(&report);
@@ -165,6 +167,7 @@ impl GradScaler {
         let mut grads = crate::gradient_sink::backward(&self.queued()?.scaled_loss(&loss, scaled)?)?;
         let params = optimizer.param_groups().params();
         crate::optim::fold_split_gradients(params, &mut grads)?;
+        self.refuse_unscaled_fp16(|| crate::optim::first_fp16(params, &grads))?;
         self.check_gradients_once(params.iter().map(crate::optim::OptimParam::checked), &grads)?;
         let present = crate::optim::present_grads(optimizer, &grads)?;
         let paths = || present.iter().map(|(i, _)| params[*i].path.as_str());

@@ -59,6 +59,9 @@ pub struct GradScaler {
     missing_gradients: MissingGradients,
     /// True once a step of this scaler has looked for parameters without a gradient.
     gradients_checked: bool,
+    /// True when [`for_model`](Self::for_model) disabled it because the model computed in no fp16 then:
+    /// a step that meets fp16 after all (the model was initialized afterwards) is refused.
+    judged_unneeded: bool,
     /// The gradients (by tensor) that the last [`unscale`](Self::unscale) divided by the scale, until
     /// the next [`update`](Self::update): unscaling one of them again would divide it twice. One call's
     /// worth, so a loop that never calls `update` keeps no more.
@@ -66,6 +69,28 @@ pub struct GradScaler {
     /// The state on a CUDA device since the last deferred step (the truth while steps are queued).
     #[cfg(feature = "cuda")]
     device: Option<crate::cuda::QueuedScaler>,
+}
+
+/// The loss's value, refusing a loss of more or fewer than one element ([`Error::LossNotScalar`]).
+pub(crate) fn loss_value(loss: &Tensor) -> Result<f32> {
+    ensure_one_value(loss)?;
+    Ok(loss.to_dtype(DType::F32)?.flatten_all()?.get(0)?.to_scalar::<f32>()?)
+}
+
+/// Refuses a loss that is not one value: backward would differentiate the sum of its elements (a
+/// per-sample loss not yet reduced) or, for an empty one, nothing at all.
+pub(crate) fn ensure_one_value(loss: &Tensor) -> Result<()> {
+    match loss.elem_count() {
+        1 => Ok(()),
+        _ => Err(Error::LossNotScalar { shape: loss.dims().to_vec() }),
+    }
+}
+
+/// Where `model` computes in fp16, for [`GradScaler::refuse_unscaled_fp16`].
+pub(crate) fn first_fp16_layer<M: AmpModule + ?Sized>(model: &M) -> Option<String> {
+    let plan = model.precision_plan();
+    let row = plan.rows.iter().find(|r| r.compute == crate::Precision::Fp16)?;
+    Some(format!("`{}` computes in fp16", row.path))
 }
 
 /// The result of [`GradScaler::unscale`].
@@ -89,6 +114,7 @@ impl GradScaler {
             window: Settled::none(1.0),
             missing_gradients: MissingGradients::Error,
             gradients_checked: false,
+            judged_unneeded: false,
             unscaled: Mutex::default(),
             #[cfg(feature = "cuda")]
             device: None,
@@ -109,24 +135,43 @@ impl GradScaler {
             window: Settled::none(1.0),
             missing_gradients: MissingGradients::Error,
             gradients_checked: false,
+            judged_unneeded: false,
             unscaled: Mutex::default(),
             #[cfg(feature = "cuda")]
             device: None,
         }
     }
 
-    /// Enabled when some layer of `model` computes in fp16 now (after `amp::initialize`), disabled
-    /// otherwise (bf16 and fp32 have fp32's range) but guarded: its [`step`](Self::step) still skips a
-    /// step with an inf or NaN gradient, leaving the weights as they were, as every `step_fused` does
-    /// (one read-only pass over the gradients; `.with_finite_guard(false)` drops it). An O3 fp16 model,
-    /// which has no fp32 masters to
-    /// unscale its gradients into, trains with `GradScaler::new(ScalerConfig::fixed(1.0))` (Apex O3's
-    /// scale): at another scale [`unscale`](Self::unscale) refuses its gradients.
+    /// Enabled when some layer of `model` computes in fp16 now (after `amp::initialize`) or is marked
+    /// `#[amp(fp16)]`, disabled otherwise (bf16 and fp32 have fp32's range) but guarded: its
+    /// [`step`](Self::step) still skips a step with an inf or NaN gradient, leaving the weights as they
+    /// were, as every `step_fused` does (one read-only pass over the gradients;
+    /// `.with_finite_guard(false)` drops it). Build it after `amp::initialize`: a scaler this disabled
+    /// refuses the steps of a model that computes in fp16 after all ([`Error::ScalerBuiltBeforeFp16`]).
+    /// An O3 fp16 model, which has no fp32 masters to unscale its gradients into, trains with
+    /// `GradScaler::new(ScalerConfig::fixed(1.0))` (Apex O3's scale): at another scale
+    /// [`unscale`](Self::unscale) refuses its gradients.
+    ///
+    /// # Errors
+    /// [`Error::InvalidScalerConfig`] for a `config` [`GradScaler::new`] refuses, whether
+    /// or not the scaler is enabled.
     pub fn for_model<M: AmpModule + ?Sized>(model: &M, config: ScalerConfig) -> Result<Self> {
-        if model.precision_plan().computes_in_fp16() {
+        config.validate()?;
+        if M::NEEDS_LOSS_SCALING || model.precision_plan().computes_in_fp16() {
             GradScaler::new(config)
         } else {
-            Ok(GradScaler::disabled().with_finite_guard(true))
+            let disabled = GradScaler::disabled().with_finite_guard(true);
+            Ok(GradScaler { judged_unneeded: true, ..disabled })
+        }
+    }
+
+    /// Refuses a step of fp16 computation on a scaler that [`for_model`](Self::for_model) disabled
+    /// because the model computed in no fp16 then: unscaled, small fp16 gradients flush to zero.
+    /// `fp16` says where fp16 is found (`None`: nowhere); it is only asked on such a scaler.
+    pub(crate) fn refuse_unscaled_fp16(&self, fp16: impl FnOnce() -> Option<String>) -> Result<()> {
+        match self.judged_unneeded.then(fp16).flatten() {
+            Some(found) => Err(Error::ScalerBuiltBeforeFp16 { found }),
+            None => Ok(()),
         }
     }
 
@@ -200,6 +245,7 @@ impl GradScaler {
     /// [`Error::Unsettled`] while deferred steps are queued: their scale is on the device.
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         self.expect_settled("scale_loss")?;
+        ensure_one_value(loss)?;
         if !self.enabled {
             return Ok(loss.clone());
         }
@@ -301,8 +347,7 @@ impl GradScaler {
         apply: impl FnOnce(&mut GradStore) -> Result<()>,
     ) -> Result<StepReport> {
         self.reclaim()?;
-        let value = loss.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
-        if !value.is_finite() {
+        if !loss_value(loss)?.is_finite() {
             return self.update(Some(SkipReason::NonFiniteLoss));
         }
         let grads = crate::gradient_sink::backward(&self.scale_loss(loss)?)?;
@@ -316,6 +361,7 @@ impl GradScaler {
         mut grads: GradStore,
         apply: impl FnOnce(&mut GradStore) -> Result<()>,
     ) -> Result<StepReport> {
+        self.refuse_unscaled_fp16(|| first_fp16_layer(model))?;
         let params = no_grad::model_params(model);
         self.check_gradients_once(params.iter().map(no_grad::ModelParam::checked), &grads)?;
         let unscaled = self.unscale(model, &mut grads)?;
