@@ -315,3 +315,35 @@ fn a_linear_whose_weight_does_not_fit_the_input_is_refused_on_every_kernel() -> 
     assert!(err.contains("give the input shape (.., 20)"), "{err}");
     Ok(())
 }
+
+#[test]
+fn a_linear_of_no_input_features_gives_its_bias_on_every_row_in_any_rank() -> Result<()> {
+    // Rows of no elements: the sums are empty, so each output row is the bias (and the bias's gradient
+    // the row count), whatever the rank; counted as elements over features, the rows would be 0.
+    let dev = Device::Cpu;
+    let weight = Var::from_tensor(&Tensor::zeros((3, 0), DType::F32, &dev)?)?;
+    let bias = Var::new(&[1f32, 2.0, 3.0], &dev)?;
+    for over in [Override::Auto, Override::Candle] {
+        dispatch::with_override(over, || -> Result<()> {
+            for precision in Precision::ALL {
+                for dims in [&[10, 0][..], &[2, 5, 0], &[2, 1, 5, 0], &[0]] {
+                    let x = Tensor::zeros(dims, DType::F32, &dev)?;
+                    let y = ops::linear(&x, &weight, Some(&bias), precision)?;
+                    let mut expected = dims.to_vec();
+                    *expected.last_mut().expect("a dimension") = 3;
+                    assert_eq!(y.dims(), expected, "{over:?} {precision:?} {dims:?}");
+                    let rows = y.to_dtype(DType::F32)?.reshape(((), 3))?.to_vec2::<f32>()?;
+                    assert!(rows.iter().all(|r| r == &[1.0, 2.0, 3.0]), "{over:?} {precision:?}: {rows:?}");
+                    let grads = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
+                    let count = rows.len() as f32;
+                    let db =
+                        grads.get(&bias).expect("a bias gradient").to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                    assert_eq!(db, [count; 3], "{over:?} {precision:?} {dims:?}");
+                }
+            }
+            Ok(())
+        })
+        .expect("candle is always available")?;
+    }
+    Ok(())
+}

@@ -105,7 +105,7 @@ pub(crate) fn linear_bias(
     out: DType,
     epilogue: Epilogue,
 ) -> Result<Option<Tensor>> {
-    let rows = x.elem_count() / weight.differentiated.dim(1)?.max(1);
+    let rows = super::rows_before_last(x.dims());
     let Some((op, bias)) = linear_op((rows, x.dtype(), x.device()), weight, bias, compute, out)? else {
         return Ok(None);
     };
@@ -577,7 +577,7 @@ fn as_rows(t: &Tensor) -> Result<Tensor> {
         return Ok(t.clone());
     }
     let cols = t.dims().last().copied().unwrap_or(1);
-    t.reshape((t.elem_count() / cols.max(1), cols))
+    t.reshape((super::rows_before_last(t.dims()), cols))
 }
 
 /// A Linear's input `(.., in)` as the matrix of its rows: a matrix through its strides, more
@@ -591,7 +591,7 @@ pub(super) fn rows_of<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<(M
         return Err(candle_core::Error::RequiresContiguous { op: "amp-linear" });
     };
     let cols = layout.dims().last().copied().unwrap_or(1);
-    let rows = layout.shape().elem_count() / cols.max(1);
+    let rows = super::rows_before_last(layout.dims());
     let folded = Layout::contiguous_with_offset((rows, cols), start);
     let (view, _, dims) = operand(storage, &folded)?;
     Ok((view, dims))

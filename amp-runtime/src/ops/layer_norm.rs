@@ -59,7 +59,7 @@ pub(super) fn operands(
 /// The rows and the row length of a contiguous `(.., d)` layout.
 fn rows(layout: &Layout) -> (usize, usize) {
     let d = layout.dims().last().copied().unwrap_or(1);
-    (layout.shape().elem_count() / d.max(1), d)
+    (super::rows_before_last(layout.dims()), d)
 }
 
 /// The forward op: `(x, weight, bias) -> y`.

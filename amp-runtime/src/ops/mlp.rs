@@ -49,7 +49,7 @@ pub(crate) fn gelu_mlp(
         // The composition's `x + y` fails on a result of another dtype or width: let it say so.
         return Ok(None);
     }
-    let rows = x.elem_count() / up.weight.differentiated.dim(1)?.max(1);
+    let rows = super::rows_before_last(x.dims());
     let device = x.device();
     let Some((up_op, up_bias)) = up.op((rows, x.dtype(), device), up.out)? else {
         return Ok(None);

@@ -145,7 +145,7 @@ pub(crate) fn linear_to(
     if let Some(y) = fused {
         return Ok(y);
     }
-    let rows = x.elem_count() / features.max(1);
+    let rows = rows_before_last(x.dims());
     let x2 = if dims.len() == 2 { x.clone() } else { x.reshape((rows, features))? };
     let y = match bias {
         _ if epilogue == Epilogue::Relu => {
@@ -219,4 +219,10 @@ pub(crate) fn at_least_f32(dtype: DType) -> DType {
 /// `x` in the dtype an fp32-class op computes in (a differentiable cast, or `x` itself).
 pub(crate) fn widen(x: &Tensor) -> Result<Tensor> {
     x.to_dtype(at_least_f32(x.dtype()))
+}
+
+/// The rows of a `(.., d)` tensor: the product of its dimensions before the last (1 for a vector). Not
+/// its element count over `d`, which is 0 for rows of no elements (`d` = 0), whatever their number.
+pub(crate) fn rows_before_last(dims: &[usize]) -> usize {
+    dims[..dims.len().saturating_sub(1)].iter().product()
 }
