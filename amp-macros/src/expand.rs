@@ -63,6 +63,7 @@ fn impl_amp_module(input: &Input<'_>) -> TokenStream {
         #[automatically_derived]
         #unlisted
         impl #impl_generics #private::AmpModule for #ident #ty_generics #where_clause {
+            type Module = Self;
             const PLAN: #private::Plan = #plan;
 
             fn visit(
@@ -201,8 +202,10 @@ fn impl_half_safe(input: &Input<'_>) -> TokenStream {
 
 /// Assertions that concrete field types with a half attribute of their own are `HalfSafe`, spanned at
 /// each type so that an fp32-pinned layer asked for a half precision is underlined in the user's code.
-/// (A field type that is no module needs no assertion: `<#ty as AmpModule>::PLAN` in the plan fails at
-/// the type's own tokens already.) Generic field types are checked by where-clause bounds instead.
+/// The type is named through `AmpModule::Module`: one that is no module then gets only the error of
+/// `<#ty as AmpModule>::PLAN` in the plan (at the type's own tokens), not a second, misleading one
+/// ("pinned to fp32") from its assertion. Generic field types are checked by where-clause bounds
+/// instead.
 fn half_safe_checks(input: &Input<'_>) -> TokenStream {
     let private = private();
     let checks: Vec<TokenStream> = input
@@ -210,7 +213,12 @@ fn half_safe_checks(input: &Input<'_>) -> TokenStream {
         .filter(|field| !field.is_generic && field.asks_half())
         .map(|field| {
             let ty = field.ty;
-            quote_spanned!(ty.span()=> __amp_assert_half_safe::<#ty>();)
+            // The path around the type spans its first to its last token, so that rustc underlines
+            // the whole type, as it does the type alone.
+            let last = ty.to_token_stream().into_iter().last().map_or_else(|| ty.span(), |t| t.span());
+            let open = quote_spanned!(ty.span()=> __amp_assert_half_safe::< <);
+            let close = quote_spanned!(last=> as #private::AmpModule>::Module>(););
+            quote!(#open #ty #close)
         })
         .collect();
     if checks.is_empty() {

@@ -24,6 +24,7 @@ pub fn expand(node: &DeriveInput, error: &syn::Error) -> TokenStream {
             #[automatically_derived]
             #unlisted
             impl #impl_generics #private::AmpModule for #ident #ty_generics #where_clause {
+                type Module = Self;
                 const PLAN: #private::Plan = #private::Plan {
                     type_name: #type_name,
                     node: #private::PlanNode::Struct {

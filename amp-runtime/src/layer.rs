@@ -89,6 +89,7 @@ macro_rules! layer_module {
     (@impl $ty:ty, $pinned:literal) => {
         #[diagnostic::do_not_recommend]
         impl $crate::AmpModule for $ty {
+            type Module = Self;
             const PLAN: $crate::Plan = $crate::Plan {
                 type_name: ::core::stringify!($ty),
                 node: $crate::PlanNode::Layer { pinned_fp32: $pinned },

@@ -4,6 +4,7 @@
 use super::{AmpModule, Cursor, HalfSafe, NoFp16Under, Plan, PlanNode, Request, Visitor, VisitorMut};
 
 impl<T: AmpModule> AmpModule for Vec<T> {
+    type Module = Vec<T::Module>;
     const PLAN: Plan =
         Plan { type_name: "Vec", node: PlanNode::Repeated { container: "Vec", item: &T::PLAN } };
 
@@ -17,6 +18,7 @@ impl<T: AmpModule> AmpModule for Vec<T> {
 }
 
 impl<T: AmpModule, const N: usize> AmpModule for [T; N] {
+    type Module = [T::Module; N];
     const PLAN: Plan =
         Plan { type_name: "array", node: PlanNode::Repeated { container: "array", item: &T::PLAN } };
 
@@ -30,6 +32,7 @@ impl<T: AmpModule, const N: usize> AmpModule for [T; N] {
 }
 
 impl<T: AmpModule> AmpModule for Option<T> {
+    type Module = Option<T::Module>;
     const PLAN: Plan =
         Plan { type_name: "Option", node: PlanNode::Repeated { container: "Option", item: &T::PLAN } };
 
@@ -47,6 +50,7 @@ impl<T: AmpModule> AmpModule for Option<T> {
 }
 
 impl<T: AmpModule> AmpModule for Box<T> {
+    type Module = Box<T::Module>;
     const PLAN: Plan = T::PLAN;
 
     fn visit(&self, cursor: &mut Cursor, visitor: &mut dyn Visitor) {

@@ -29,6 +29,13 @@ pub trait AmpModule {
     /// The static precision plan of this type: its fields, their requested precisions and types.
     const PLAN: Plan;
 
+    /// `Self`, named through this trait: `#[derive(AmpModule)]` checks a field's type `T` as
+    /// `<T as AmpModule>::Module`, so that a type which is no module (or a container of one) gets that
+    /// one error, and not a second one from the check (a half attribute's "pinned to fp32"). A leaf
+    /// or a struct sets it to `Self`, a container to itself of its items' `Module`.
+    #[doc(hidden)]
+    type Module;
+
     /// True when some layer of this model is fixed to fp16 (or `half`, which is fp16 on CUDA) by its
     /// attributes, through any depth of nesting: training it needs a loss scaler. Computed at compile time.
     const NEEDS_LOSS_SCALING: bool = Self::PLAN.needs_loss_scaling();

@@ -212,6 +212,7 @@ const fn projection_field(name: &'static str) -> PlanField {
 
 #[diagnostic::do_not_recommend]
 impl AmpModule for MultiHeadAttention {
+    type Module = Self;
     const PLAN: Plan = Plan {
         type_name: "MultiHeadAttention",
         node: PlanNode::Struct {

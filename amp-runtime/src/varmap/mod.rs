@@ -198,6 +198,7 @@ impl fmt::Debug for AmpVarMap {
 }
 
 impl AmpModule for AmpVarMap {
+    type Module = Self;
     const PLAN: Plan = Plan { type_name: "AmpVarMap", node: PlanNode::Struct { default: None, fields: &[] } };
 
     fn visit(&self, cursor: &mut Cursor, visitor: &mut dyn Visitor) {
