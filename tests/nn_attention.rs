@@ -213,3 +213,41 @@ fn attention_loads_candle_nn_linears_and_matches_them_in_f32() -> Result<()> {
     )?;
     Ok(())
 }
+
+#[test]
+fn projections_that_do_not_fit_together_and_inputs_that_are_not_batches_are_refused() -> Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let made = std::cell::Cell::new(0);
+    let proj = |name: &str, outputs: usize, inputs: usize| {
+        made.set(made.get() + 1);
+        linear(inputs, outputs, vb.pp(format!("{name}{}", made.get())))
+    };
+    let refusal = |projections: [Linear; 4]| match MultiHeadAttention::new(projections, 2) {
+        Ok(_) => panic!("projections that do not fit were taken"),
+        Err(e) => e.to_string(),
+    };
+    let err = refusal([proj("q", 8, 8)?, proj("k", 4, 8)?, proj("v", 8, 8)?, proj("o", 8, 8)?]);
+    assert!(err.contains("k_proj writes 4 features and q_proj 8"), "{err}");
+    let err = refusal([proj("q", 8, 8)?, proj("k", 8, 8)?, proj("v", 7, 8)?, proj("o", 8, 7)?]);
+    assert!(err.contains("2 heads do not divide v_proj's 7 features"), "{err}");
+    let err = refusal([proj("q", 8, 8)?, proj("k", 8, 6)?, proj("v", 8, 8)?, proj("o", 8, 8)?]);
+    assert!(err.contains("k_proj reads 6 features and v_proj 8"), "{err}");
+    let err = refusal([proj("q", 8, 8)?, proj("k", 8, 8)?, proj("v", 6, 8)?, proj("o", 8, 8)?]);
+    assert!(err.contains("out_proj reads 8 features, but v_proj writes 6"), "{err}");
+    // Values of another width than queries and keys are attention too.
+    MultiHeadAttention::new([proj("q", 8, 8)?, proj("k", 8, 8)?, proj("v", 6, 8)?, proj("o", 8, 6)?], 2)?;
+
+    let attn = multi_head_attention(8, 2, vb.pp("attn"))?;
+    let norm = layer_norm(8, 1e-5, vb.pp("ln"))?;
+    let single = Tensor::zeros((5, 8), DType::F32, &Device::Cpu)?;
+    for err in
+        [attn.forward(&single), attn.forward_normed(&norm, &single), attn.forward_residual(&norm, &single)]
+    {
+        let err = err.expect_err("a single sequence without its batch dimension").to_string();
+        assert!(err.contains("must be (batch, t, features), got shape [5, 8]"), "{err}");
+        assert!(err.contains("`.unsqueeze(0)`"), "{err}");
+    }
+    assert_eq!(attn.forward(&single.unsqueeze(0)?)?.dims(), &[1, 5, 8]);
+    Ok(())
+}

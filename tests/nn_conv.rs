@@ -356,3 +356,18 @@ fn under_o2_the_kernels_gradient_leaves_amps_gemm_in_f32_for_the_master() -> amp
     common::assert_close("O2 conv2d grad weight", grad, &expected, common::tolerance(DType::BF16, 3, 4.0))?;
     Ok(())
 }
+
+#[test]
+fn a_conv1d_input_it_cannot_read_is_refused_in_its_own_terms() -> Result<()> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let layer = conv1d(3, 4, 3, Conv1dConfig::default(), vb.pp("c"))?;
+    let message = |x: Tensor| layer.forward(&x).expect_err("refused").to_string();
+    let err = message(Tensor::zeros((3, 10), DType::F32, &Device::Cpu)?);
+    assert!(err.contains("(batch, channels, length), got shape [3, 10]"), "{err}");
+    assert!(err.contains("`.unsqueeze(0)`") && !err.contains("rank 4"), "{err}");
+    let err = message(Tensor::zeros((2, 5, 10), DType::F32, &Device::Cpu)?);
+    assert!(err.contains("has 5 channels (shape [2, 5, 10]); the layer takes 3"), "{err}");
+    assert_eq!(layer.forward(&Tensor::zeros((1, 3, 10), DType::F32, &Device::Cpu)?)?.dims(), &[1, 4, 8]);
+    Ok(())
+}

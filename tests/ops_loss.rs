@@ -201,3 +201,23 @@ fn mse_gradients_reach_both_operands_and_broadcast_targets_fall_back() -> Result
     }
     Ok(())
 }
+
+#[test]
+fn targets_that_are_not_class_indices_and_an_empty_batch_are_refused() -> Result<()> {
+    let logits = Tensor::zeros((3, 5), DType::F32, &Device::Cpu)?;
+    for (targets, bad) in
+        [(vec![0i64, -1, 2], "target -1 (element 1"), (vec![0, 5, 2], "target 5 (element 1")]
+    {
+        let targets = Tensor::new(targets.as_slice(), &Device::Cpu)?;
+        let err = loss::cross_entropy(&logits, &targets).expect_err("refused").to_string();
+        assert!(err.contains(bad) && err.contains("there are 5 classes"), "{err}");
+    }
+    let ignored = Tensor::new(&[0i64, -100, 2], &Device::Cpu)?;
+    let err = loss::cross_entropy(&logits, &ignored).expect_err("refused").to_string();
+    assert!(err.contains("must be left out of the batch"), "{err}");
+    let empty = Tensor::zeros((0, 5), DType::F32, &Device::Cpu)?;
+    let none = Tensor::zeros(0, DType::U32, &Device::Cpu)?;
+    let err = loss::cross_entropy(&empty, &none).expect_err("refused").to_string();
+    assert!(err.contains("empty batch"), "{err}");
+    Ok(())
+}

@@ -51,11 +51,35 @@ pub fn multi_head_attention(
 
 impl MultiHeadAttention {
     /// Attention from existing projections `[q, k, v, out]`, each `(embed, embed)`.
+    ///
+    /// # Errors
+    /// Projections that do not fit together, each named with the widths found: heads that do not
+    /// divide `q`'s or `v`'s features, `k` of another width than `q` (their rows are multiplied), `k`
+    /// and `v` reading inputs of different widths (both read the context), `out` not reading `v`'s.
     pub fn new(projections: [Linear; 4], num_heads: usize) -> Result<Self> {
         let [q_proj, k_proj, v_proj, out_proj] = projections;
-        let (embed, _) = q_proj.weight().trainable().dims2()?;
-        if num_heads == 0 || embed % num_heads != 0 {
-            candle_core::bail!("attention: {num_heads} heads do not divide {embed} features");
+        let dims = |p: &Linear| p.weight().trainable().dims2();
+        let [(q, _), (k, k_in), (v, v_in), (_, out_in)] =
+            [dims(&q_proj)?, dims(&k_proj)?, dims(&v_proj)?, dims(&out_proj)?];
+        if num_heads == 0 || q % num_heads != 0 {
+            candle_core::bail!("attention: {num_heads} heads do not divide {q} features");
+        }
+        if k != q {
+            candle_core::bail!(
+                "attention: k_proj writes {k} features and q_proj {q}: queries and keys are multiplied \
+                 feature by feature, so they must be as wide"
+            );
+        }
+        if v % num_heads != 0 {
+            candle_core::bail!("attention: {num_heads} heads do not divide v_proj's {v} features");
+        }
+        if k_in != v_in {
+            candle_core::bail!(
+                "attention: k_proj reads {k_in} features and v_proj {v_in}: both read the context"
+            );
+        }
+        if out_in != v {
+            candle_core::bail!("attention: out_proj reads {out_in} features, but v_proj writes {v}");
         }
         Ok(MultiHeadAttention { q_proj, k_proj, v_proj, out_proj, num_heads, causal: false })
     }
@@ -90,6 +114,8 @@ impl MultiHeadAttention {
     /// self-attention when both are the same tensor), masking `j > i` when `causal`. The result has the
     /// output precision of `out_proj`, or `query`'s dtype.
     pub fn attend(&self, query: &Tensor, context: &Tensor, causal: bool) -> Result<Tensor> {
+        sequences("query", query)?;
+        sequences("context", context)?;
         if query.id() == context.id() {
             if let Some(y) = self.fused_self_attention(query, None, causal)? {
                 return super::cast_output(y, self.out_proj.precision(), query.dtype());
@@ -170,6 +196,7 @@ impl MultiHeadAttention {
         norm: Option<(&LayerNorm, bool)>,
         causal: bool,
     ) -> Result<Option<Tensor>> {
+        sequences("input", x)?;
         let operands = self.projections().map(|p| p.product_operands(x.device()));
         let [q, k, v, out] = operands;
         let operands = [q?, k?, v?, out?];
@@ -187,6 +214,18 @@ impl MultiHeadAttention {
         });
         ops::self_attention(x, norm.as_ref(), projections, self.num_heads, causal, self.compute_precision())
     }
+}
+
+/// Refuses an input that is not a batch of sequences, `(batch, t, features)`, saying how to make one.
+fn sequences(name: &str, t: &Tensor) -> Result<()> {
+    if t.rank() != 3 {
+        candle_core::bail!(
+            "attention: the {name} must be (batch, t, features), got shape {:?}; a single sequence is a \
+             batch of one: `.unsqueeze(0)`",
+            t.dims()
+        );
+    }
+    Ok(())
 }
 
 /// `x W^T + b` in the projection's compute precision, the f32 sum left in f32 (the next product rounds

@@ -155,6 +155,7 @@ impl Conv2d {
 
 impl Module for Conv1d {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.check_input(xs.dims())?;
         let compute = self.precision.compute;
         let w = self.weight.for_product(compute, xs.device())?;
         let (out, sums) = output_dtypes(self.precision, xs, self.bias.is_some());
@@ -177,6 +178,26 @@ impl Module for Conv1d {
             }
         };
         add_bias(y, self.bias.as_ref(), 3, compute)?.to_dtype(out)
+    }
+}
+
+impl Conv1d {
+    /// Refuses an input the layer cannot read, in 1-d terms (the op below sees it as 2-d, of height 1).
+    fn check_input(&self, x: &[usize]) -> Result<()> {
+        let &[_, channels, _] = x else {
+            candle_core::bail!(
+                "Conv1d: the input must be (batch, channels, length), got shape {x:?}; a single sequence \
+                 is a batch of one: `.unsqueeze(0)`"
+            );
+        };
+        let (_, per_group, _) = self.weight.trainable().dims3()?;
+        let takes = per_group * self.config.groups;
+        if channels != takes {
+            candle_core::bail!(
+                "Conv1d: the input has {channels} channels (shape {x:?}); the layer takes {takes}"
+            );
+        }
+        Ok(())
     }
 }
 

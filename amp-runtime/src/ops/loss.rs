@@ -15,6 +15,9 @@ use crate::Precision;
 /// The mean cross-entropy of `logits` `(N, C)` against class indices `targets` `(N)` (u8, u32 or i64):
 /// `mean_n(-log_softmax(logits)[n, targets[n]])`.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if logits.dims().first() == Some(&0) {
+        candle_core::bail!("cross_entropy: an empty batch (0 rows) has no mean loss");
+    }
     nll(&log_softmax(logits, 1)?, targets)
 }
 
@@ -22,10 +25,24 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// or i64): `mean_n(-log_probs[n, targets[n]])`.
 pub fn nll(log_probs: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let log_probs = widen(log_probs)?;
-    let (batch, _) = log_probs.dims2()?;
+    let (batch, classes) = log_probs.dims2()?;
     let count = targets.dims1()?;
     if count != batch {
         candle_core::bail!("nll: {batch} rows of log-probabilities but {count} targets");
+    }
+    if batch == 0 {
+        candle_core::bail!("nll: an empty batch (0 rows) has no mean loss");
+    }
+    if targets.device().is_cpu() {
+        // One pass over N ids, on the CPU only (on a GPU it would wait for the device). Unchecked,
+        // candle's gather reports a negative id as an index near 2^64.
+        let ids = targets.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        if let Some((n, id)) = ids.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= classes) {
+            candle_core::bail!(
+                "nll: target {id} (element {n} of the targets) is not a class index: there are {classes} \
+                 classes, 0..{classes}; a target to ignore (PyTorch's -100) must be left out of the batch"
+            );
+        }
     }
     let picked = log_probs.gather(&targets.unsqueeze(1)?, 1)?;
     picked.sum_all()?.affine(-1.0 / batch as f64, 0.0)
