@@ -212,3 +212,23 @@ fn a_loss_of_more_or_fewer_than_one_value_is_refused() -> amp::Result<()> {
     assert!(scaler.step_fused(&one, &mut optimizer, None)?.applied());
     Ok(())
 }
+
+#[test]
+fn a_later_step_whose_loss_reaches_none_of_the_optimizers_parameters_is_refused() -> amp::Result<()> {
+    let config = AmpConfig::new(OptLevel::O2, &Device::Cpu).with_half(Precision::Bf16);
+    let (mut a, mut b) = (net()?, net()?);
+    amp::initialize(&mut a, config)?;
+    amp::initialize(&mut b, config)?;
+    let mut optimizer = adam(&a)?;
+    let mut scaler = GradScaler::for_model(&a, ScalerConfig::default())?;
+    assert!(scaler.step_fused(&loss(&a)?, &mut optimizer, None)?.applied());
+    let (before_a, before_b) = (bits(&a)?, bits(&b)?);
+    // The other model's loss, after a first step that checked every parameter.
+    let err = scaler.step_fused(&loss(&b)?, &mut optimizer, None).unwrap_err();
+    let Error::NoGradient { params } = &err else { panic!("expected NoGradient: {err:?}") };
+    assert_eq!(params.0.len(), 4, "{err}");
+    assert!(err.to_string().contains("the loss does not depend on the optimizer's parameters"), "{err}");
+    assert_eq!((bits(&a)?, bits(&b)?), (before_a, before_b));
+    assert_eq!(scaler.state().steps, 1, "the refused step was counted");
+    Ok(())
+}

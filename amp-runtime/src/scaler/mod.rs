@@ -196,21 +196,30 @@ impl GradScaler {
 
     /// What the first step does when a trainable parameter received no gradient: fail naming every
     /// such parameter with its likely cause ([`MissingGradients::Error`], the default), or log that and
-    /// train the rest ([`MissingGradients::Warn`], for parameters frozen on purpose).
+    /// train the rest ([`MissingGradients::Warn`], for parameters frozen on purpose). Later steps do
+    /// the same when no parameter at all received one (the loss of another model, or a detached one).
     pub fn on_missing_gradients(mut self, policy: MissingGradients) -> Self {
         self.missing_gradients = policy;
         self
     }
 
-    /// On this scaler's first step only: the parameters among `params` without a gradient in `grads`,
-    /// handled as [`on_missing_gradients`](Self::on_missing_gradients) says.
+    /// On this scaler's first step: the parameters among `params` without a gradient in `grads`,
+    /// handled as [`on_missing_gradients`](Self::on_missing_gradients) says; on later steps, the same
+    /// when none has one.
     pub(crate) fn check_gradients_once<'a>(
         &mut self,
         params: impl IntoIterator<Item = no_grad::Checked<'a>>,
         grads: &GradStore,
     ) -> Result<()> {
         if self.gradients_checked {
-            return Ok(());
+            // Later steps refuse only a loss that reached no parameter at all (another model's, or a
+            // detached one): it would be reported as applied with nothing trained. The lookups stop
+            // at the first parameter reached.
+            let params: Vec<no_grad::Checked<'a>> = params.into_iter().collect();
+            if params.iter().any(|p| p.reached(grads)) {
+                return Ok(());
+            }
+            return no_grad::enforce(no_grad::find(params, grads), self.missing_gradients);
         }
         no_grad::enforce(no_grad::find(params, grads), self.missing_gradients)?;
         self.gradients_checked = true;

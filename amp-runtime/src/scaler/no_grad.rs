@@ -92,13 +92,20 @@ pub(crate) struct Checked<'a> {
     pub master: &'a candle_core::Tensor,
 }
 
+impl Checked<'_> {
+    /// Whether backward reached the parameter.
+    pub(crate) fn reached(&self, grads: &GradStore) -> bool {
+        grads.get(self.trainable).is_some() || grads.get(self.master).is_some()
+    }
+}
+
 /// Parameters of `params` without a gradient in `grads`, each with its likely cause.
 pub(crate) fn find<'a>(params: impl IntoIterator<Item = Checked<'a>>, grads: &GradStore) -> NoGradients {
     let mut total = 0;
     let mut missing: Vec<(&str, &str)> = Vec::new();
     for param in params {
         total += 1;
-        if grads.get(param.trainable).is_none() && grads.get(param.master).is_none() {
+        if !param.reached(grads) {
             missing.push((param.path, param.kind));
         }
     }
