@@ -45,6 +45,8 @@ impl Request for AskWide {
     note = "fp16 gradients smaller than 6e-8 flush to zero and larger than 65504 overflow; a loss scaler \
             keeps them in range and skips steps that overflow",
     note = "use `GradScaler::step` or `GradScaler::step_fused` (PyTorch users meet this mistake at run time \
-            as \"Attempting to unscale FP16 gradients\")"
+            as \"Attempting to unscale FP16 gradients\")",
+    note = "in a function generic over a model `M`, the bound `M: amp::module::NoFp16Under<amp::module::Inherit>` \
+            admits only models without fp16 layers to `step_unscaled`; or use a `GradScaler`, which takes any"
 )]
 pub trait NoFp16Under<R: Request> {}
