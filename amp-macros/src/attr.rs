@@ -8,7 +8,7 @@ use syn::spanned::Spanned;
 use syn::{Attribute, Expr, Ident, Lit, MacroDelimiter, Meta, Token};
 
 use crate::check::Ctxt;
-use crate::symbol::{Precision, AMP, DEFAULT, SKIP, SPELLINGS_HELP};
+use crate::symbol::{Precision, AMP, DEFAULT, SKIP, SPELLINGS, SPELLINGS_HELP};
 
 /// A precision as written: what it means and the user's token, for spans and messages.
 #[derive(Clone, Debug)]
@@ -95,15 +95,17 @@ impl Attrs {
                 set_default(cx, &mut self.default, written);
             }
         } else if let Some(ident) = meta.path.get_ident().filter(|_| !has_value(&meta)) {
-            // #[amp(fp16)]
-            match Precision::from_spelling(ident) {
+            // #[amp(fp16)]; #[amp(fp-16)] is read whole, so that its error quotes what was written
+            let written = format!("{ident}{}", dashed_rest(&meta)?);
+            match Precision::from_spelling(ident).filter(|_| *ident == written) {
                 Some(precision) => {
                     set_precision(cx, &mut self.precision, Written { precision, token: ident.clone() })
                 }
                 None => cx.error_spanned_by(
                     ident,
                     format!(
-                        "unknown precision `{ident}` in `#[amp({ident})]`; expected one of: {SPELLINGS_HELP}"
+                        "unknown precision `{written}` in `#[amp({written})]`; {}",
+                        expected(&written, "")
                     ),
                 ),
             }
@@ -195,8 +197,8 @@ fn parse_default_value(cx: &mut Ctxt, meta: &ParseNestedMeta<'_>) -> syn::Result
             Some(precision) => Some(Written { precision, token: token.clone() }),
             None => {
                 let message = format!(
-                    "unknown precision `{token}` in `#[amp(default = {token})]`; expected one of: \
-                     {SPELLINGS_HELP}"
+                    "unknown precision `{token}` in `#[amp(default = {token})]`; {}",
+                    expected(&token.to_string(), "default = ")
                 );
                 cx.error_spanned_by(token, message);
                 None
@@ -211,6 +213,30 @@ fn parse_default_value(cx: &mut Ctxt, meta: &ParseNestedMeta<'_>) -> syn::Result
     };
     cx.error_spanned_by(&value, message);
     Ok(None)
+}
+
+/// What an unknown precision `written` should have been: the spelling it is in another case or without
+/// dashes (`FP16`, `fp-16`: write `#[amp({key}fp16)]`), else the list of spellings.
+fn expected(written: &str, key: &str) -> String {
+    let plain: String = written.chars().filter(|&c| c != '-').flat_map(char::to_lowercase).collect();
+    if SPELLINGS.iter().any(|(spelling, _)| *spelling == plain) {
+        format!("precisions are written in lowercase, without dashes: `#[amp({key}{plain})]`")
+    } else {
+        format!("expected one of: {SPELLINGS_HELP}")
+    }
+}
+
+/// Reads what follows an entry's word as `-16` and `-16-x` (a precision written with dashes), and
+/// returns it as written; an empty string when no dash follows.
+fn dashed_rest(meta: &ParseNestedMeta<'_>) -> syn::Result<String> {
+    let mut rest = String::new();
+    while meta.input.peek(Token![-]) {
+        meta.input.parse::<Token![-]>()?;
+        let part: TokenTree = meta.input.parse()?;
+        rest.push('-');
+        rest.push_str(&part.to_string());
+    }
+    Ok(rest)
 }
 
 /// True when the entry goes on with `= value` or `(...)`.

@@ -85,18 +85,21 @@ pub fn check(cx: &mut Ctxt, input: &Input<'_>) {
     }
 }
 
-/// Whether `tokens` name one of `names` as a path of its own (`Tree`, `Box<Self>`), not as the last
-/// segment of a longer path (`amp::nn::Linear` in a struct of the user's also named `Linear`).
+/// Whether `tokens` name one of `names` as a path of its own (`Tree`, `Box<Self>`, `self::Tree`: this
+/// module's), not as the last segment of another path (`amp::nn::Linear` in a struct of the user's
+/// also named `Linear`; `crate::Tree` may be another `Tree` than one in a module below the root).
 fn names_unqualified(tokens: TokenStream, names: &BTreeSet<String>) -> bool {
-    let mut after_colons = false;
-    tokens.into_iter().any(|token| {
-        let hit = match &token {
-            TokenTree::Ident(ident) => !after_colons && names.contains(&ident.to_string()),
-            TokenTree::Group(group) => names_unqualified(group.stream(), names),
-            TokenTree::Punct(_) | TokenTree::Literal(_) => false,
-        };
-        after_colons = matches!(&token, TokenTree::Punct(p) if p.as_char() == ':');
-        hit
+    let tokens: Vec<TokenTree> = tokens.into_iter().collect();
+    let colon = |i: usize| matches!(&tokens[i], TokenTree::Punct(p) if p.as_char() == ':');
+    let ident = |i: usize, name: &str| matches!(&tokens[i], TokenTree::Ident(id) if id == name);
+    // `self ::` right before `i`, itself at the start of a path.
+    let after_self = |i: usize| {
+        i >= 3 && colon(i - 1) && colon(i - 2) && ident(i - 3, "self") && (i == 3 || !colon(i - 4))
+    };
+    (0..tokens.len()).any(|i| match &tokens[i] {
+        TokenTree::Ident(id) => names.contains(&id.to_string()) && (i == 0 || !colon(i - 1) || after_self(i)),
+        TokenTree::Group(group) => names_unqualified(group.stream(), names),
+        TokenTree::Punct(_) | TokenTree::Literal(_) => false,
     })
 }
 

@@ -235,3 +235,35 @@ fn field_types_are_written_without_token_spaces() {
         assert_eq!(text.as_deref(), Ok(expected));
     }
 }
+
+#[test]
+fn a_module_that_holds_itself_is_refused_however_it_names_itself_in_this_module() {
+    for field in ["Vec<Tree>", "Option<Box<Self>>", "Vec<self::Tree>", "[Box<self::Tree>; 2]"] {
+        let errors = errors_of(&format!("struct Tree {{ fc: Linear, children: {field} }}"));
+        assert_eq!(errors.len(), 1, "{field}: {errors:#?}");
+        assert!(errors[0].contains("holds a `Tree` inside a `Tree`"), "{field}: {errors:#?}");
+    }
+    // Another module's `Tree`, or the crate root's (which may be another one than this module's).
+    for field in ["Vec<other::Tree>", "Vec<crate::Tree>", "Vec<self::inner::Tree>", "Vec<super::Tree>"] {
+        let errors = errors_of(&format!("struct Tree {{ fc: Linear, children: {field} }}"));
+        assert_eq!(errors, Vec::<String>::new(), "{field}");
+    }
+}
+
+#[test]
+fn a_precision_in_capitals_or_with_a_dash_is_quoted_as_written_with_the_spelling_to_use() {
+    for (field, quoted, fix) in [
+        ("#[amp(FP16)] a: Linear", "`FP16` in `#[amp(FP16)]`", "`#[amp(fp16)]`"),
+        ("#[amp(Bf16)] a: Linear", "`Bf16` in `#[amp(Bf16)]`", "`#[amp(bf16)]`"),
+        ("#[amp(fp-16)] a: Linear", "`fp-16` in `#[amp(fp-16)]`", "`#[amp(fp16)]`"),
+        ("#[amp(bf-16, skip)] a: Linear", "`bf-16` in `#[amp(bf-16)]`", "`#[amp(bf16)]`"),
+    ] {
+        let errors = errors_of(&format!("struct S {{ {field} }}"));
+        assert_eq!(errors.len(), 1, "{field}: {errors:#?}");
+        assert!(errors[0].contains(quoted) && errors[0].contains(fix), "{field}: {errors:#?}");
+    }
+    let errors = errors_of("#[amp(default = BF16)] struct S { a: Linear }");
+    assert!(errors.len() == 1 && errors[0].contains("`#[amp(default = bf16)]`"), "{errors:#?}");
+    let errors = errors_of("struct S { #[amp(fp61)] a: Linear }");
+    assert!(errors.len() == 1 && errors[0].contains("expected one of: fp32"), "{errors:#?}");
+}
