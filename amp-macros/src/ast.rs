@@ -42,8 +42,10 @@ pub struct Field<'a> {
     pub ty: &'a Type,
     /// Its `#[amp(...)]` attributes.
     pub attrs: Attrs,
-    /// True when the type names a generic parameter of the struct (or `Self`): its checks are
-    /// where-clause bounds of the impl rather than assertions on a concrete type.
+    /// True when the type names a type parameter of the struct (or `Self`): its checks are where-clause
+    /// bounds of the impl rather than assertions in its body. Lifetimes and const parameters do not
+    /// count: a type that names only those (`&'a Linear`, `[RmsNorm; L]`) is checked in the impl's
+    /// body at the definition, where a bound would make the impl silently not apply.
     pub is_generic: bool,
 }
 
@@ -57,7 +59,7 @@ impl<'a> Input<'a> {
         };
         cx.at_struct();
         let attrs = Attrs::from_syn(cx, &node.attrs);
-        let params = generic_names(&node.generics);
+        let params = type_param_names(&node.generics);
         let fields = fields
             .iter()
             .enumerate()
@@ -119,17 +121,10 @@ impl Field<'_> {
     }
 }
 
-/// The names of the struct's generic parameters (types, lifetimes, consts), and `Self`.
-fn generic_names(generics: &Generics) -> BTreeSet<String> {
+/// The names of the struct's type parameters, and `Self`.
+fn type_param_names(generics: &Generics) -> BTreeSet<String> {
     let mut names = BTreeSet::from(["Self".to_string()]);
-    for param in &generics.params {
-        let ident = match param {
-            syn::GenericParam::Type(param) => &param.ident,
-            syn::GenericParam::Lifetime(param) => &param.lifetime.ident,
-            syn::GenericParam::Const(param) => &param.ident,
-        };
-        names.insert(ident.to_string());
-    }
+    names.extend(generics.type_params().map(|param| param.ident.to_string()));
     names
 }
 

@@ -37,14 +37,12 @@ pub fn private() -> TokenStream {
 fn expand(input: &Input<'_>) -> TokenStream {
     let amp_module = impl_amp_module(input);
     let half_safe = impl_half_safe(input);
-    let half_safe_checks = half_safe_checks(input);
     let no_fp16 = impl_no_fp16_under(input);
     quote! {
         const _: () = {
             #amp_module
             #no_fp16
             #half_safe
-            #half_safe_checks
         };
     }
 }
@@ -59,6 +57,7 @@ fn impl_amp_module(input: &Input<'_>) -> TokenStream {
     let visits: Vec<TokenStream> = input.modules().map(|field| visit_field(field, input, false)).collect();
     let visits_mut: Vec<TokenStream> = input.modules().map(|field| visit_field(field, input, true)).collect();
     let unused = visits.is_empty().then(|| quote!(let _ = (__amp_cursor, __amp_visitor);));
+    let half_safe_checks = half_safe_checks(input);
     quote! {
         #[automatically_derived]
         #unlisted
@@ -71,6 +70,7 @@ fn impl_amp_module(input: &Input<'_>) -> TokenStream {
                 __amp_cursor: &mut #private::Cursor,
                 __amp_visitor: &mut dyn #private::Visitor,
             ) {
+                #half_safe_checks
                 #unused
                 #(#visits)*
             }
@@ -200,12 +200,13 @@ fn impl_half_safe(input: &Input<'_>) -> TokenStream {
     }
 }
 
-/// Assertions that concrete field types with a half attribute of their own are `HalfSafe`, spanned at
-/// each type so that an fp32-pinned layer asked for a half precision is underlined in the user's code.
-/// The type is named through `AmpModule::Module`: one that is no module then gets only the error of
-/// `<#ty as AmpModule>::PLAN` in the plan (at the type's own tokens), not a second, misleading one
-/// ("pinned to fp32") from its assertion. Generic field types are checked by where-clause bounds
-/// instead.
+/// Assertions that the field types with a half attribute of their own are `HalfSafe`, spanned at each
+/// type so that an fp32-pinned layer asked for a half precision is underlined in the user's code;
+/// statements of `visit`'s body, where the struct's lifetimes and const parameters are in scope
+/// (`[RmsNorm; L]`), checked at the definition. The type is named through `AmpModule::Module`: one that
+/// is no module then gets only the error of `<#ty as AmpModule>::PLAN` in the plan (at the type's own
+/// tokens), not a second, misleading one ("pinned to fp32") from its assertion. Field types that name
+/// a type parameter are checked by where-clause bounds instead.
 fn half_safe_checks(input: &Input<'_>) -> TokenStream {
     let private = private();
     let checks: Vec<TokenStream> = input
@@ -226,9 +227,7 @@ fn half_safe_checks(input: &Input<'_>) -> TokenStream {
     }
     quote! {
         const fn __amp_assert_half_safe<__AmpT: ?::core::marker::Sized + #private::HalfSafe>() {}
-        const _: () = {
-            #(#checks)*
-        };
+        #(#checks)*
     }
 }
 
