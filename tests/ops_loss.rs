@@ -221,3 +221,17 @@ fn targets_that_are_not_class_indices_and_an_empty_batch_are_refused() -> Result
     assert!(err.contains("empty batch"), "{err}");
     Ok(())
 }
+
+#[test]
+fn a_prediction_and_target_that_broadcast_into_each_other_are_refused() -> Result<()> {
+    // (N, 1) against (N): the classic trap, a (N, N) grid of every prediction against every target.
+    let pred = Tensor::zeros((4, 1), DType::F32, &Device::Cpu)?;
+    let target = Tensor::zeros(4, DType::F32, &Device::Cpu)?;
+    for result in [loss::mse(&pred, &target), loss::l1(&pred, &target), loss::smooth_l1(&pred, &target, 1.0)]
+    {
+        let err = result.expect_err("refused").to_string();
+        assert!(err.contains("[4, 1] and target [4] broadcast to [4, 4]"), "{err}");
+    }
+    assert_eq!(loss::mse(&pred, &target.unsqueeze(1)?)?.dims(), &[] as &[usize]);
+    Ok(())
+}

@@ -131,8 +131,21 @@ fn in_loss_dtype(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((a.to_dtype(dtype)?, b.to_dtype(dtype)?))
 }
 
-/// `pred - target` in the loss dtype, broadcast.
+/// `pred - target` in the loss dtype, broadcast. Refuses shapes that broadcast into more elements than
+/// either has, such as `(N, 1)` against `(N)`: every prediction would be compared with every target
+/// (PyTorch warns of it), where a target broadcast to the prediction's shape is a loss of its own.
 fn difference(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
+    let both = pred.shape().broadcast_shape_binary_op(target.shape(), "loss")?;
+    if both.elem_count() > pred.elem_count().max(target.elem_count()) {
+        candle_core::bail!(
+            "loss: prediction {:?} and target {:?} broadcast to {:?}, comparing every prediction with \
+             every target; give them one shape (`target.reshape(pred.shape())`, or `unsqueeze` where a \
+             dimension of 1 is missing)",
+            pred.dims(),
+            target.dims(),
+            both.dims()
+        );
+    }
     let (pred, target) = in_loss_dtype(pred, target)?;
     pred.broadcast_sub(&target)
 }
