@@ -56,6 +56,7 @@ pub fn initialize<M: AmpModule + ?Sized>(model: &mut M, config: AmpConfig) -> Re
                     return;
                 }
                 *param = shared.clone();
+                param.link().record_compute(compute, false);
                 continue;
             }
             if fixed && param.storage() != storage {
@@ -67,7 +68,7 @@ pub fn initialize<M: AmpModule + ?Sized>(model: &mut M, config: AmpConfig) -> Re
                 first_error = Some(err);
                 return;
             }
-            param.record_compute(compute);
+            param.link().record_compute(compute, true);
             converted.insert(key, (site.param_path(name), storage, param.clone()));
         }
     };

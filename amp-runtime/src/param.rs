@@ -72,16 +72,17 @@ pub struct Param {
     trainable: Var,
     master: Option<Var>,
     route: GradientRoute,
-    conversions: Conversions,
+    link: ParamLink,
 }
 
-/// What a parameter's optimizer must know of the model that holds it, shared by the parameter's clones
+/// What an optimizer must know of the model that holds a parameter, shared by the parameter's clones
 /// and by the optimizers that took its variables: how many times its storage was converted
 /// ([`Param::set_storage`]), so that an optimizer built before `amp::initialize` converted it refuses
 /// to step ([`crate::Error::StaleParams`]) rather than train variables forward never reads; and
-/// whether its layer computes in fp16 now, so that a step that needs a loss scaler can tell.
+/// whether a layer that reads it computes in fp16 now, so that a step that needs a loss scaler can
+/// tell.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Conversions(Arc<Shared>);
+pub(crate) struct ParamLink(Arc<Shared>);
 
 #[derive(Debug, Default)]
 struct Shared {
@@ -89,15 +90,26 @@ struct Shared {
     fp16_compute: AtomicBool,
 }
 
-impl Conversions {
-    /// The count now.
-    pub(crate) fn count(&self) -> u64 {
+impl ParamLink {
+    /// The conversions so far.
+    pub(crate) fn conversions(&self) -> u64 {
         self.0.count.load(Ordering::Acquire)
     }
 
-    /// Whether the parameter's layer computes in fp16, as `amp::initialize` last set it.
+    /// Whether a layer that reads the parameter computes in fp16, as `amp::initialize` last set it.
     pub(crate) fn computes_in_fp16(&self) -> bool {
         self.0.fp16_compute.load(Ordering::Acquire)
+    }
+
+    /// Records the precision a layer that reads the parameter computes in: the first such layer of an
+    /// `amp::initialize` sets the flag, the others (tied weights) can only raise it.
+    pub(crate) fn record_compute(&self, compute: Precision, first: bool) {
+        let fp16 = compute == Precision::Fp16;
+        if first {
+            self.0.fp16_compute.store(fp16, Ordering::Release);
+        } else {
+            self.0.fp16_compute.fetch_or(fp16, Ordering::AcqRel);
+        }
     }
 
     fn bump(&self) {
@@ -108,12 +120,7 @@ impl Conversions {
 impl Param {
     /// A parameter trained directly, in the variable's own dtype.
     pub fn new(var: Var) -> Self {
-        Param {
-            trainable: var,
-            master: None,
-            route: GradientRoute::default(),
-            conversions: Conversions::default(),
-        }
+        Param { trainable: var, master: None, route: GradientRoute::default(), link: ParamLink::default() }
     }
 
     /// A parameter from a tensor (shares storage when the tensor already is a variable, as the tensors a
@@ -235,18 +242,13 @@ impl Param {
             }
         };
         (self.trainable, self.master) = (trainable, master);
-        self.conversions.bump();
+        self.link.bump();
         Ok(())
     }
 
     /// What an optimizer that takes this parameter's variables follows of it.
-    pub(crate) fn conversions(&self) -> &Conversions {
-        &self.conversions
-    }
-
-    /// Records the precision the parameter's layer computes in (`amp::initialize` sets it).
-    pub(crate) fn record_compute(&self, compute: Precision) {
-        self.conversions.0.fp16_compute.store(compute == Precision::Fp16, Ordering::Release);
+    pub(crate) fn link(&self) -> &ParamLink {
+        &self.link
     }
 
     /// Drops the fp32 master and keeps the working copy, the same variable, as the parameter's only

@@ -50,7 +50,8 @@ pub fn multi_head_attention(
 }
 
 impl MultiHeadAttention {
-    /// Attention from existing projections `[q, k, v, out]`, each `(embed, embed)`.
+    /// Attention from existing projections `[q, k, v, out]`: `(embed, embed)` each in the usual case;
+    /// in general `q` and `k` of one width, which the heads divide, and `out` reading what `v` writes.
     ///
     /// # Errors
     /// Projections that do not fit together, each named with the widths found: heads that do not

@@ -274,7 +274,7 @@ pub(crate) fn first_fp16(params: &[OptimParam], grads: &GradStore) -> Option<Str
     if let Some(p) = params.iter().find(|p| p.trainable.dtype() == DType::F16) {
         return Some(format!("`{}` is stored in fp16", p.path));
     }
-    if let Some(p) = params.iter().find(|p| p.conversions.as_ref().is_some_and(|(c, _)| c.computes_in_fp16()))
+    if let Some(p) = params.iter().find(|p| p.link.as_ref().is_some_and(|(link, _)| link.computes_in_fp16()))
     {
         return Some(format!("the layer of `{}` computes in fp16", p.path));
     }

@@ -5,7 +5,7 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::error::{Error, Result};
-use crate::param::Conversions;
+use crate::param::ParamLink;
 use crate::{AmpModule, ParamStorage};
 
 /// One parameter as an optimizer sees it.
@@ -25,9 +25,9 @@ pub struct OptimParam {
     pub(crate) group: usize,
     /// What the parameter's layer says about weight decay ([`crate::Layer::no_weight_decay`]).
     pub(crate) no_decay: bool,
-    /// The model parameter's conversion count, and its value when the variables above were taken
+    /// The model parameter's link, and its conversion count when the variables above were taken
     /// (none for bare variables).
-    pub(crate) conversions: Option<(Conversions, u64)>,
+    pub(crate) link: Option<(ParamLink, u64)>,
 }
 
 impl OptimParam {
@@ -56,8 +56,8 @@ impl OptimParam {
     /// ([`Param::set_storage`](crate::Param::set_storage), as `amp::initialize` does) after the
     /// optimizer took them.
     fn ensure_current(&self) -> Result<()> {
-        match &self.conversions {
-            Some((conversions, taken)) if conversions.count() != *taken => {
+        match &self.link {
+            Some((link, taken)) if link.conversions() != *taken => {
                 Err(Error::StaleParams { path: self.path.clone() })
             }
             _ => Ok(()),
@@ -124,7 +124,7 @@ impl ParamGroups {
                 trainable: param.trainable().clone(),
                 group: 0,
                 no_decay: layer.no_weight_decay(name),
-                conversions: Some((param.conversions().clone(), param.conversions().count())),
+                link: Some((param.link().clone(), param.link().conversions())),
             });
         });
         first_error.map_or(Ok(()), Err)?;
@@ -165,7 +165,7 @@ impl ParamGroups {
                     no_decay: var.rank() <= 1,
                     trainable: var,
                     group: 0,
-                    conversions: None,
+                    link: None,
                 })
             })
             .collect::<Result<_>>()?;

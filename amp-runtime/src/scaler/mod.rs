@@ -251,7 +251,8 @@ impl GradScaler {
     /// `loss * scale` in f32, to call `backward` on. The loss itself when disabled.
     ///
     /// # Errors
-    /// [`Error::Unsettled`] while deferred steps are queued: their scale is on the device.
+    /// [`Error::Unsettled`] while deferred steps are queued: their scale is on the device;
+    /// [`Error::LossNotScalar`] for a loss of more or fewer than one value (as every step refuses it).
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         self.expect_settled("scale_loss")?;
         ensure_one_value(loss)?;
