@@ -347,3 +347,48 @@ fn a_linear_of_no_input_features_gives_its_bias_on_every_row_in_any_rank() -> Re
     }
     Ok(())
 }
+
+/// A bf16 product of a few rows runs on the path chosen for it ([`GemmPath::choose_for_product`]: on
+/// a CPU whose `vdpbf16ps` loses to its FMA, the `vdpbf16ps` path reading the rows and the weight in
+/// place), bit for bit; under a forced path, on that path. C in f32, where the two paths' orders of
+/// summation show.
+#[test]
+fn a_product_of_few_rows_runs_on_the_path_chosen_for_it_and_a_forced_path_as_forced() -> Result<()> {
+    use amp_kernels::gemm::{gemm_new, MatRef, NewOutput, OutputType};
+    let dev = Device::Cpu;
+    let (rows, inputs, outputs) = (amp_kernels::gemm::IN_PLACE_DOT_ROWS, 1000, 40);
+    let x = Tensor::randn(0f32, 1.0, (rows, inputs), &dev)?.to_dtype(DType::BF16)?;
+    let w = Tensor::randn(0f32, 1.0, (outputs, inputs), &dev)?.to_dtype(DType::BF16)?;
+    let (xs, ws) = (x.flatten_all()?.to_vec1::<half::bf16>()?, w.flatten_all()?.to_vec1::<half::bf16>()?);
+    let dims = Dims::new(rows, outputs, inputs);
+    let (a, b) = (MatRef::row_major(&xs[..], inputs), MatRef::transposed(&ws[..], inputs));
+    let on = |path: GemmPath| -> Vec<u32> {
+        let c = gemm_new(path, dims, a, b, OutputType::F32, Compute::Bf16, None).expect("runs");
+        let NewOutput::F32(c) = c else { panic!("an f32 C") };
+        c.iter().map(|v| v.to_bits()).collect()
+    };
+    let bits = |t: Tensor| -> Result<Vec<u32>> {
+        Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+    };
+    let for_product = GemmPath::choose_for_product(Compute::Bf16, dims, &a, &b);
+    let chosen = GemmPath::choose(Compute::Bf16);
+    if chosen == GemmPath::Avx512 && GemmPath::Avx512Bf16.is_supported() {
+        assert_eq!(for_product, GemmPath::Avx512Bf16);
+        assert_ne!(on(for_product), on(chosen), "the two paths' sums differ somewhere on this data");
+    } else {
+        assert_eq!(for_product, chosen, "only a CPU whose vdpbf16ps loses to its FMA refines the choice");
+    }
+    // x W^T with W's transpose a view: the product reads W in place, as a Linear's forward does.
+    let product = || ops::matmul_to(&x, &w.t()?, Precision::Bf16, DType::F32);
+    assert_eq!(bits(product()?)?, on(for_product), "automatic: {for_product}");
+    let forced =
+        dispatch::with_override(Override::Path(chosen), product).expect("the chosen path runs here")?;
+    assert_eq!(bits(forced)?, on(chosen), "forced: {chosen}");
+    // One row more leaves the product on the dispatcher's path.
+    let more = Tensor::cat(&[&x, &x.narrow(0, 0, 1)?], 0)?;
+    let more_xs = more.flatten_all()?.to_vec1::<half::bf16>()?;
+    let more_a = MatRef::row_major(&more_xs[..], inputs);
+    let more_dims = Dims::new(rows + 1, outputs, inputs);
+    assert_eq!(GemmPath::choose_for_product(Compute::Bf16, more_dims, &more_a, &b), chosen);
+    Ok(())
+}

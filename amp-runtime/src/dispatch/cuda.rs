@@ -162,7 +162,7 @@ pub(super) fn cuda_choice(precision: Precision, dims: Dims, settings: CudaGemmSe
             }
         }
     }
-    Choice { kernel: MatmulKernel::Candle, reason, padded }
+    Choice { kernel: MatmulKernel::Candle, reason, padded, automatic: true }
 }
 
 #[cfg(test)]

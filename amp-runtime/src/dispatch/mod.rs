@@ -64,6 +64,11 @@ pub struct Choice {
     /// The sizes the product runs at when its operands are zero-padded for the tensor cores (on CUDA,
     /// under [`pad_for_tensor_cores`]); `None`: at its own.
     pub padded: Option<Dims>,
+    /// Whether amp chose the kernel itself (no override forced it): a product on amp's GEMM may then
+    /// take a faster path for its rows and layout than `kernel` names
+    /// ([`GemmPath::choose_for_product`]: bf16 products of a few rows read in place on `vdpbf16ps`
+    /// where that instruction otherwise loses to the FMA).
+    pub automatic: bool,
 }
 
 impl fmt::Display for Choice {
@@ -187,11 +192,13 @@ fn cpu_choice(precision: Precision, over: Override) -> Choice {
             kernel: MatmulKernel::Candle,
             reason: "forced by dispatch::set_override(Override::Candle)".into(),
             padded: None,
+            automatic: false,
         },
         Override::Path(path) if !path.is_bf16_dot() || compute == Compute::Bf16 => Choice {
             kernel: MatmulKernel::Amp(path),
             reason: format!("forced by dispatch::set_override(Override::Path({path:?}))"),
             padded: None,
+            automatic: false,
         },
         Override::Path(_) | Override::Auto => automatic(compute),
     }
@@ -209,8 +216,10 @@ fn automatic(compute: Compute) -> Choice {
         }
         (Compute::Bf16, _, Some(r)) => format!(
             "vdpbf16ps measured at {r:.2}x the zmm FMA's flop rate on this CPU (below {}x): bf16 operands \
-             widened while packing, {path}",
-            amp_kernels::gemm::DOT_PAYS
+             widened while packing, {path} (products of at most {} rows whose operands lie along k, as a \
+             Linear's forward on a small batch reads them, run on vdpbf16ps, reading them in place)",
+            amp_kernels::gemm::DOT_PAYS,
+            amp_kernels::gemm::IN_PLACE_DOT_ROWS
         ),
         (Compute::Bf16, _, None) => {
             format!("no AVX512-BF16 on this CPU: bf16 operands widened while packing, {path}")
@@ -220,7 +229,7 @@ fn automatic(compute: Compute) -> Choice {
         }
         (Compute::F32, _, _) => format!("f32 on {path}"),
     };
-    Choice { kernel: MatmulKernel::Amp(path), reason, padded: None }
+    Choice { kernel: MatmulKernel::Amp(path), reason, padded: None, automatic: true }
 }
 
 #[cfg(test)]

@@ -5,7 +5,11 @@
 //! instruction on independent accumulators (AMX `tdpbf16ps`, `vdpbf16ps` and the widest f32 FMA), timed
 //! before each round so that it sees the same neighbours; a shape's "% of peak" is of its own rounds'
 //! peaks. Shapes: squares 256..4096, the main job's and a BERT-base layer's products (forward, and both
-//! backward products), and skinny products (m = 16, 64).
+//! backward products), and skinny products (m = 4, 16, 64).
+//!
+//! The first bf16 row ("amp bf16 auto") is amp's own choice, product by product ([`gemm`]): the
+//! path [`GemmPath::choose`] picks, or another for a product of a few rows
+//! ([`GemmPath::choose_for_product`]); the rows after it force each path the CPU has.
 //!
 //! Layouts are training's: forward `x·W^T` reads the weight `(out, in)` in place (B transposed),
 //! `dX = dY·W` reads both row-major, `dW = dY^T·X` reads A transposed. amp's bf16 and f16 rows write
@@ -23,7 +27,7 @@ mod peak;
 mod peer;
 mod timing;
 
-use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
+use amp_kernels::gemm::{gemm, gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use amp_kernels::{vectorise, Isa};
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
@@ -88,7 +92,8 @@ fn shapes(quick: bool) -> Vec<Shape> {
     v.extend(linear("bert qkv", 2048, 768, 2304));
     v.extend(linear("bert ffn-up", 2048, 768, 3072));
     v.extend(linear("bert ffn-down", 2048, 3072, 768));
-    for m in [16, 64] {
+    // m = 4: a Linear's forward on a batch of a few rows (generation, one token per sequence).
+    for m in [4, 16, 64] {
         v.push(shape(format!("skinny m={m}"), (m, 1024, 1024), Normal, Transposed));
         v.push(shape(format!("skinny m={m} wide"), (m, 4096, 4096), Normal, Transposed));
     }
@@ -174,6 +179,9 @@ fn main() {
 /// One implementation of the product.
 #[derive(Clone, Copy)]
 enum Contender {
+    /// amp's own choice for each product ([`gemm`], which may take another path than
+    /// [`GemmPath::choose`] for a product of a few rows: [`GemmPath::choose_for_product`]).
+    AmpAuto(Compute),
     Amp(GemmPath, Compute),
     CandleF32,
     CandleBf16,
@@ -185,12 +193,11 @@ enum Contender {
 
 impl Contender {
     fn all(torch: bool, candle_x86_v4: bool) -> Vec<Contender> {
-        // bf16 on the path amp chooses first (the goals read the first "amp bf16" row), then on every
-        // other path the CPU has.
-        let chosen = GemmPath::choose(Compute::Bf16);
-        let mut v = vec![Contender::Amp(chosen, Compute::Bf16)];
+        // bf16 as amp chooses for each product first (the goals read the first "amp bf16" row), then
+        // on every path the CPU has.
+        let mut v = vec![Contender::AmpAuto(Compute::Bf16)];
         for path in [GemmPath::AmxBf16, GemmPath::Avx512Bf16, GemmPath::Avx512, GemmPath::Avx2] {
-            if path.is_supported() && path != chosen {
+            if path.is_supported() {
                 v.push(Contender::Amp(path, Compute::Bf16));
             }
         }
@@ -218,8 +225,12 @@ impl Contender {
         matches!(self, Contender::Torch(_) | Contender::CandleX86V4)
     }
 
-    fn name(self) -> String {
+    /// Its row's name, where amp's own choice took `auto` for the shape.
+    fn name(self, auto: GemmPath) -> String {
         match self {
+            Contender::AmpAuto(compute) => {
+                format!("amp {} auto: {auto}", format!("{compute:?}").to_lowercase())
+            }
             Contender::Amp(path, compute) => format!("amp {} {path}", format!("{compute:?}").to_lowercase()),
             Contender::CandleF32 => "candle f32".into(),
             Contender::CandleBf16 => "candle bf16".into(),
@@ -232,8 +243,9 @@ impl Contender {
 
     /// Which measured peak bounds it: AMX's or `vdpbf16ps`'s for the dot-product paths, `vdpbf16ps`'s
     /// for the peers' bf16 products where the CPU has it, else the FMA's.
-    fn peak(self) -> Peak {
+    fn peak(self, auto: GemmPath) -> Peak {
         match self {
+            Contender::AmpAuto(compute) => Contender::Amp(auto, compute).peak(auto),
             Contender::Amp(GemmPath::AmxBf16, _) => Peak::Tile,
             Contender::Amp(path, _) if path.is_bf16_dot() => Peak::Dot,
             Contender::GemmkitBf16 | Contender::CandleBf16 | Contender::Torch(PeerDtype::Bf16)
@@ -279,29 +291,21 @@ fn run(shapes: Vec<Shape>) {
         for peer in torch.iter_mut().chain(&mut x86_v4) {
             peer.shape(&s);
         }
+        let auto = {
+            let (a, b) = (view(&ops.abf, s.m, s.k, s.a), view(&ops.bbf, s.k, s.n, s.b));
+            GemmPath::choose_for_product(Compute::Bf16, dims, &a, &b)
+        };
         let call = |i: usize| -> Option<f64> {
             if not_run[i] {
                 return Some(f64::NAN);
             }
             match contenders[i] {
+                Contender::AmpAuto(compute) => {
+                    let (a, b, out) = amp_operands(&s, &ops, compute, (&mut c32, &mut c16, &mut cbf));
+                    gemm(dims, a, b, out, compute, Start::Zero).unwrap();
+                }
                 Contender::Amp(path, compute) => {
-                    let (a, b, out) = match compute {
-                        Compute::Bf16 => (
-                            view(&ops.abf, s.m, s.k, s.a),
-                            view(&ops.bbf, s.k, s.n, s.b),
-                            MatMut::row_major(&mut cbf[..], s.n),
-                        ),
-                        Compute::F16 => (
-                            view(&ops.a16, s.m, s.k, s.a),
-                            view(&ops.b16, s.k, s.n, s.b),
-                            MatMut::row_major(&mut c16[..], s.n),
-                        ),
-                        Compute::F32 => (
-                            view(&ops.a32, s.m, s.k, s.a),
-                            view(&ops.b32, s.k, s.n, s.b),
-                            MatMut::row_major(&mut c32[..], s.n),
-                        ),
-                    };
+                    let (a, b, out) = amp_operands(&s, &ops, compute, (&mut c32, &mut c16, &mut cbf));
                     // A forced AVX2 path also packs with the AVX2 versions of the loops, as on an
                     // AVX2-only CPU.
                     let cap = (path == GemmPath::Avx2).then(|| vectorise::limit_width(Some(Isa::Avx2)));
@@ -336,18 +340,38 @@ fn run(shapes: Vec<Shape>) {
                     (peer_speed[i].unwrap_or(f64::NAN), expected_s[i].unwrap_or(f64::NAN));
                 let why =
                     format!("{expected:.0} s a product at its {speed:.1} GFLOP/s of the last shape it ran");
-                println!("  {}: not run ({why})", c.name());
+                println!("  {}: not run ({why})", c.name(auto));
                 continue;
             }
             if c.is_peer() {
                 peer_speed[i] = Some(flops / seconds / 1e9);
             }
-            rows.push(timing::Row { name: c.name(), seconds, peak: c.peak() });
+            rows.push(timing::Row { name: c.name(auto), seconds, peak: c.peak(auto) });
         }
         timing::print(&rows, flops, &peaks);
         summary.add(&s.name, flops, rows, &peaks);
     }
     summary.print();
+}
+
+/// A and B of a shape in `compute`'s dtype, and C of that dtype from the three buffers.
+fn amp_operands<'a>(
+    s: &Shape,
+    ops: &'a Operands,
+    compute: Compute,
+    (c32, c16, cbf): (&'a mut [f32], &'a mut [f16], &'a mut [bf16]),
+) -> (MatRef<'a>, MatRef<'a>, MatMut<'a>) {
+    match compute {
+        Compute::Bf16 => {
+            (view(&ops.abf, s.m, s.k, s.a), view(&ops.bbf, s.k, s.n, s.b), MatMut::row_major(cbf, s.n))
+        }
+        Compute::F16 => {
+            (view(&ops.a16, s.m, s.k, s.a), view(&ops.b16, s.k, s.n, s.b), MatMut::row_major(c16, s.n))
+        }
+        Compute::F32 => {
+            (view(&ops.a32, s.m, s.k, s.a), view(&ops.b32, s.k, s.n, s.b), MatMut::row_major(c32, s.n))
+        }
+    }
 }
 
 /// The path amp chooses for bf16 products on this CPU, and why where `vdpbf16ps` exists.

@@ -3,37 +3,59 @@
 use std::time::Instant;
 
 pub use amp_kernels::timing::median;
-use amp_kernels::timing::Interleaved;
 
 use crate::peak::{Peak, Peaks};
 
 /// Wall time each contender should get per shape, summed over its rounds.
 const BUDGET_S: f64 = 0.6;
 
-/// Times `call(0..n)` round-robin on the shared harness: a warm-up round (dropped) that also sizes the
-/// run, then 3 to 15 rounds (as many as fit the budget), a peak sample before each. A call that returns
-/// a time (a peer in another process, timed there) is kept at that time. Returns every contender's kept
-/// times in seconds, and the peaks sampled between these rounds: the shape's "% of peak" is of what the
-/// CPU could do in the same seconds (measured: a run's first shapes saw 128-146 GFLOP/s of ymm FMA where
-/// its later ones saw 184, and against the median of the samples so far 2048^3 read 115% of its peak).
+/// Times `call(0..n)` in rounds: a warm-up round (dropped) that also sizes the run, then 3 to 15 rounds
+/// (as many as fit the budget), a peak sample before each. Each round calls every contender once, in
+/// an order shuffled anew each round, so that none always follows the same neighbour: amp's rows share
+/// their packing buffers and operands, and in a fixed order the first of them always found those
+/// evicted by the peers' products before it (measured: that row 8-45% slower than the same path two
+/// rows later on the skinny shapes). A call that returns a time (a peer in another process, timed
+/// there) is kept at that time. Returns every contender's kept times in seconds, and the peaks sampled
+/// between these rounds: the shape's "% of peak" is of what the CPU could do in the same seconds
+/// (measured: a run's first shapes saw 128-146 GFLOP/s of ymm FMA where its later ones saw 184, and
+/// against the median of the samples so far 2048^3 read 115% of its peak).
 pub fn interleaved(n: usize, mut call: impl FnMut(usize) -> Option<f64>) -> (Vec<Vec<f64>>, Peaks) {
     let mut peaks = Peaks::default();
-    let mut harness = Interleaved::new(n, 1);
+    let mut timed = |i: usize| {
+        let start = Instant::now();
+        call(i).unwrap_or_else(|| start.elapsed().as_secs_f64())
+    };
     let start = Instant::now();
-    let mut warm = harness.round();
     for i in 0..n {
-        warm.time_unless_reported(|| call(i));
+        timed(i);
     }
     let slowest_round = start.elapsed().as_secs_f64();
     let rounds = ((BUDGET_S * n as f64 / slowest_round) as usize).clamp(3, 15);
+    let mut seconds = vec![Vec::with_capacity(rounds); n];
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut shuffle = Shuffle(0x9E37_79B9_7F4A_7C15);
     for _ in 0..rounds {
         peaks.measure();
-        let mut round = harness.round();
-        for i in 0..n {
-            round.time_unless_reported(|| call(i));
+        shuffle.apply(&mut order);
+        for &i in &order {
+            seconds[i].push(timed(i));
         }
     }
-    ((0..n).map(|i| harness.seconds(i).to_vec()).collect(), peaks)
+    (seconds, peaks)
+}
+
+/// A fixed sequence of shuffles (xorshift64 and Fisher-Yates): the same orders in every run.
+struct Shuffle(u64);
+
+impl Shuffle {
+    fn apply(&mut self, order: &mut [usize]) {
+        for i in (1..order.len()).rev() {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            order.swap(i, (self.0 % (i as u64 + 1)) as usize);
+        }
+    }
 }
 
 /// One contender's median on one shape.
@@ -112,7 +134,7 @@ impl Summary {
         let best_f32 = find(rows, "amp f32").unwrap_or(f64::NAN);
         let best_f16 = find(rows, "amp f16").unwrap_or(f64::NAN);
         if any.iter().any(|r| r.name.contains("tdpbf16ps")) {
-            let tile = rows.iter().find(|r| r.name.contains("tdpbf16ps"));
+            let tile = rows.iter().find(|r| r.name.contains("tdpbf16ps") && !r.name.contains("auto"));
             let tile_s = tile.map_or(f64::NAN, |r| r.seconds);
             println!("  AMX CPU:");
             println!("    amp bf16 (AMX) / candle f32 at 2048^3: {:.2}x (goal >= 3x)", candle / tile_s);
@@ -143,11 +165,11 @@ impl Summary {
             println!("    amp bf16 (AMX) faster than amp f32 on {ahead} of {} shapes", self.shapes.len());
         }
         if any.iter().any(|r| r.name.contains("vdpbf16ps")) {
-            // The first "amp bf16" row is the path amp chooses: AMX, `vdpbf16ps`, or the zmm FMA where
-            // `vdpbf16ps` multiplies slower than it.
+            // The first "amp bf16" row is amp's own choice ("auto: " and its path): AMX, `vdpbf16ps`,
+            // or the zmm FMA where `vdpbf16ps` multiplies slower than it.
             let chosen = rows.iter().find(|r| r.name.starts_with("amp bf16")).map_or("?", |r| &r.name[9..]);
-            let dot = rows.iter().find(|r| r.name.contains("vdpbf16ps"));
-            println!("  AVX512-BF16 CPU (amp bf16 = the chosen path, {chosen}):");
+            let dot = rows.iter().find(|r| r.name.contains("vdpbf16ps") && !r.name.contains("auto"));
+            println!("  AVX512-BF16 CPU (amp bf16 = amp's own choice, at 2048^3 {chosen}):");
             println!("    amp bf16 / candle f32 at 2048^3: {:.2}x (goal >= 3x)", candle / best_bf16);
             let ceiling =
                 [Peak::Tile, Peak::Dot, Peak::Fma].iter().filter_map(|&p| peaks.of(p)).fold(0.0, f64::max);

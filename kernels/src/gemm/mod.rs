@@ -62,11 +62,12 @@ pub use dpbf16::{dpbf16_lane, dpbf16_pair, tdpbf16_pair};
 pub use layout::{Dims, GemmError, Groups, MatMut, MatRef, Placement, Triangle};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use micro::{tile_peak_loop, tile_step_loop};
-pub use path::{Compute, GemmPath};
+pub use path::{Compute, GemmPath, IN_PLACE_DOT_ROWS};
 
 use crate::GradSliceMut;
 
-/// `C = start + A·B` on the fastest path this CPU has for `compute` ([`GemmPath::choose`]): `start` is
+/// `C = start + A·B` on the fastest path this CPU has for `compute` and this product
+/// ([`GemmPath::choose_for_product`]): `start` is
 /// zero, C itself (`C += A·B`) or a bias row added to every row (a Linear's epilogue, in f32 before C
 /// is rounded).
 ///
@@ -80,7 +81,7 @@ pub fn gemm(
     compute: Compute,
     start: Start<'_>,
 ) -> Result<(), GemmError> {
-    gemm_with(GemmPath::choose(compute), dims, a, b, c, compute, start)
+    gemm_with(GemmPath::choose_for_product(compute, dims, &a, &b), dims, a, b, c, compute, start)
 }
 
 /// [`gemm`] on an explicit path.

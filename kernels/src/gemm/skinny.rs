@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use super::dpbf16::dpbf16_pair;
 use super::driver::{Job, Ptr};
-use super::{Compute, GemmPath, Start};
+use super::{Compute, Dims, GemmPath, MatRef, Start};
 use crate::gemm::pack::Source;
 use crate::GradSlice;
 
@@ -41,17 +41,23 @@ const TASK_COLS: usize = 32;
 /// `k` per `vdpbf16ps` (16 lanes of pairs).
 const CHUNK: usize = 32;
 
-/// Whether `job` on `path` takes this path: bf16 products on `vdpbf16ps` or its model, B stored as bf16
-/// with `k` contiguous, A (any dtype) with `k` contiguous, at most [`MAX_ROWS`] rows, `k` at least one
-/// chunk.
+/// Whether `job` on `path` takes this path: bf16 products on `vdpbf16ps` or its model whose operands
+/// this path reads ([`reads`]).
 pub(crate) fn applies(path: GemmPath, job: &Job<'_>) -> bool {
     matches!(path, GemmPath::Avx512Bf16 | GemmPath::Avx512Bf16Model)
-        && job.compute == Compute::Bf16
-        && matches!(job.b.data, GradSlice::Bf16(_))
-        && job.b.row_stride == 1
-        && job.a.col_stride == 1
-        && job.dims.m <= MAX_ROWS
-        && job.dims.k >= CHUNK
+        && reads(job.compute, job.dims, &job.a, &job.b)
+}
+
+/// Whether a product's operands are what this path reads in place: bf16 products, B stored as bf16 with
+/// `k` contiguous, A (any dtype) with `k` contiguous, at most [`MAX_ROWS`] rows, `k` at least one
+/// chunk.
+pub(crate) fn reads(compute: Compute, dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>) -> bool {
+    compute == Compute::Bf16
+        && matches!(b.data, GradSlice::Bf16(_))
+        && b.row_stride == 1
+        && a.col_stride == 1
+        && dims.m <= MAX_ROWS
+        && dims.k >= CHUNK
 }
 
 /// Sums of a register tile: `sums[s][r]` = A row `s` · B column `r` in the order of the module docs.
