@@ -216,8 +216,8 @@ fn automatic(compute: Compute) -> Choice {
         }
         (Compute::Bf16, _, Some(r)) => format!(
             "vdpbf16ps measured at {r:.2}x the zmm FMA's flop rate on this CPU (below {}x): bf16 operands \
-             widened while packing, {path} (products of at most {} rows whose operands lie along k, as a \
-             Linear's forward on a small batch reads them, run on vdpbf16ps, reading them in place)",
+             widened while packing, {path}; products of at most {} rows whose operands lie along k (a \
+             Linear's forward on a small batch) run on vdpbf16ps, read in place",
             amp_kernels::gemm::DOT_PAYS,
             amp_kernels::gemm::IN_PLACE_DOT_ROWS
         ),
