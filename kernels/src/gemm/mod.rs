@@ -67,9 +67,8 @@ pub use path::{Compute, GemmPath, IN_PLACE_DOT_ROWS};
 use crate::GradSliceMut;
 
 /// `C = start + A·B` on the fastest path this CPU has for `compute` and this product
-/// ([`GemmPath::choose_for_product`]): `start` is
-/// zero, C itself (`C += A·B`) or a bias row added to every row (a Linear's epilogue, in f32 before C
-/// is rounded).
+/// ([`GemmPath::choose_for_product`]): `start` is zero, C itself (`C += A·B`) or a bias row added to
+/// every row (a Linear's epilogue, in f32 before C is rounded).
 ///
 /// # Errors
 /// [`GemmError`] if an operand's strides reach past its slice, or C's elements overlap.
