@@ -350,8 +350,8 @@ fn a_linear_of_no_input_features_gives_its_bias_on_every_row_in_any_rank() -> Re
 
 /// A bf16 product of a few rows runs on the path chosen for it ([`GemmPath::choose_for_product`]: on
 /// a CPU whose `vdpbf16ps` loses to its FMA, the `vdpbf16ps` path reading the rows and the weight in
-/// place), bit for bit; under a forced path, on that path. C in f32, where the two paths' orders of
-/// summation show.
+/// place), bit for bit, and so does a backward product that reads its operands the same way; under a
+/// forced path, on that path. C in f32, where the two paths' orders of summation show.
 #[test]
 fn a_product_of_few_rows_runs_on_the_path_chosen_for_it_and_a_forced_path_as_forced() -> Result<()> {
     use amp_kernels::gemm::{gemm_new, MatRef, NewOutput, OutputType};
@@ -384,6 +384,30 @@ fn a_product_of_few_rows_runs_on_the_path_chosen_for_it_and_a_forced_path_as_for
     let forced =
         dispatch::with_override(Override::Path(chosen), product).expect("the chosen path runs here")?;
     assert_eq!(bits(forced)?, on(chosen), "forced: {chosen}");
+    // A backward product that reads as the in-place path does: dA = dC·B^T for a B stored (k, n) in
+    // bf16, dC of 12 rows. Refined when the forward's choice was automatic, forced when it was forced.
+    let b_kn = w.t()?.contiguous()?;
+    let b_kn_values = b_kn.flatten_all()?.to_vec1::<half::bf16>()?;
+    let dc = Tensor::randn(0f32, 1.0, (rows, outputs), &dev)?;
+    let dc_values = dc.flatten_all()?.to_vec1::<f32>()?;
+    let (da_dims, da_a) = (Dims::new(rows, inputs, outputs), MatRef::row_major(&dc_values[..], outputs));
+    let da_b = MatRef::transposed(&b_kn_values[..], outputs);
+    let da_on = |path: GemmPath| -> Vec<u32> {
+        let c = gemm_new(path, da_dims, da_a, da_b, OutputType::F32, Compute::Bf16, None).expect("runs");
+        let NewOutput::F32(c) = c else { panic!("an f32 C") };
+        c.iter().map(|v| v.to_bits()).collect()
+    };
+    let da = || -> Result<Tensor> {
+        let a = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, inputs), &dev)?)?;
+        let c = ops::matmul_to(a.as_tensor(), &b_kn, Precision::Bf16, DType::F32)?;
+        let grads = (c * &dc)?.sum_all()?.backward()?;
+        Ok(grads.get(a.as_tensor()).expect("a's gradient").clone())
+    };
+    let da_for_product = GemmPath::choose_for_product(Compute::Bf16, da_dims, &da_a, &da_b);
+    assert_eq!(da_for_product, for_product, "dC (f32) and B^T read in place like x and W^T");
+    assert_eq!(bits(da()?)?, da_on(da_for_product), "backward, automatic: {da_for_product}");
+    let forced = dispatch::with_override(Override::Path(chosen), da).expect("the chosen path runs here")?;
+    assert_eq!(bits(forced)?, da_on(chosen), "backward, forced: {chosen}");
     // One row more leaves the product on the dispatcher's path.
     let more = Tensor::cat(&[&x, &x.narrow(0, 0, 1)?], 0)?;
     let more_xs = more.flatten_all()?.to_vec1::<half::bf16>()?;

@@ -57,17 +57,19 @@ impl fmt::Display for MatmulKernel {
 /// A dispatch decision and the reason for it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Choice {
-    /// The kernel that runs.
+    /// The kernel chosen for products in this precision; where [`Choice::automatic`], a product of a
+    /// few rows may still run on another path of amp's GEMM.
     pub kernel: MatmulKernel,
     /// Why, in a sentence.
     pub reason: String,
     /// The sizes the product runs at when its operands are zero-padded for the tensor cores (on CUDA,
     /// under [`pad_for_tensor_cores`]); `None`: at its own.
     pub padded: Option<Dims>,
-    /// Whether amp chose the kernel itself (no override forced it): a product on amp's GEMM may then
-    /// take a faster path for its rows and layout than `kernel` names
-    /// ([`GemmPath::choose_for_product`]: bf16 products of a few rows read in place on `vdpbf16ps`
-    /// where that instruction otherwise loses to the FMA).
+    /// Whether amp chose the kernel itself (no override forced it): a product of [`crate::ops::matmul`]
+    /// or a `Linear` on amp's GEMM may then take a faster path for its rows and layout than `kernel`
+    /// names ([`GemmPath::for_product`]: bf16 products of a few rows read in place on `vdpbf16ps` where
+    /// that instruction otherwise loses to the FMA). Attention's and convolutions' products keep
+    /// `kernel`.
     pub automatic: bool,
 }
 
@@ -216,8 +218,8 @@ fn automatic(compute: Compute) -> Choice {
         }
         (Compute::Bf16, _, Some(r)) => format!(
             "vdpbf16ps measured at {r:.2}x the zmm FMA's flop rate on this CPU (below {}x): bf16 operands \
-             widened while packing, {path}; products of at most {} rows whose operands lie along k (a \
-             Linear's forward on a small batch) run on vdpbf16ps, read in place",
+             widened while packing, {path}; matmul and Linear products of at most {} rows whose operands \
+             lie along k (a Linear's forward on a small batch) run on vdpbf16ps, read in place",
             amp_kernels::gemm::DOT_PAYS,
             amp_kernels::gemm::IN_PLACE_DOT_ROWS
         ),

@@ -81,14 +81,14 @@ pub fn print(rows: &[Row], flops: f64, peaks: &Peaks) {
     let candle = rows.iter().find(|r| r.name == "candle f32").map(|r| r.seconds);
     println!("  peaks in these rounds: {}", peaks.brief());
     println!(
-        "  {:<34} {:>9} {:>9} {:>12} {:>13}",
+        "  {:<40} {:>9} {:>9} {:>12} {:>13}",
         "contender", "ms", "GFLOP/s", "% of peak", "vs candle f32"
     );
     for r in rows {
         let of_peak = r.of_peak(flops, peaks).map_or("-".into(), |p| format!("{p:.0}% {}", r.peak.label()));
         let vs = candle.map_or("-".into(), |c| format!("{:.2}x", c / r.seconds));
         println!(
-            "  {:<34} {:>9.3} {:>9.1} {:>12} {:>13}",
+            "  {:<40} {:>9.3} {:>9.1} {:>12} {:>13}",
             r.name,
             r.seconds * 1e3,
             r.gflops(flops),

@@ -23,6 +23,10 @@ pub enum Compute {
 /// 256 x 1024 to 4096 x 4096, A row-major and B a transposed bf16 `(n, k)`, medians of 11 alternated
 /// trials, in two runs: the in-place `vdpbf16ps` path 1.2-2.9x the FMA path's speed for m = 1..6,
 /// 1.01-2.9x at m = 8 and 12, 0.83-2.1x at m = 16 (behind on 2-3 of the 11 shapes).
+///
+/// On such a CPU a row's result can therefore depend on how many rows its product has: the same row
+/// in a product of 12 rows and of 13 is summed in another order (and, at 12, with `vdpbf16ps`'s
+/// flushing of denormals), within the same bound.
 pub const IN_PLACE_DOT_ROWS: usize = 12;
 
 /// A GEMM code path: a micro-kernel and the packing it reads.
@@ -85,12 +89,13 @@ impl GemmPath {
     }
 
     /// The fastest path for one product: [`GemmPath::choose`]'s, except on a CPU with AVX512-BF16 whose
-    /// `vdpbf16ps` loses to its FMA on whole products, where a bf16 product of at most
-    /// [`IN_PLACE_DOT_ROWS`] rows whose operands lie contiguous along `k` (a Linear's forward on a small
-    /// batch, `x·W^T` with W stored in bf16) runs on [`GemmPath::Avx512Bf16`]: that path reads such
-    /// operands where they lie, each B value once and half the bytes of a widened one, where the FMA
-    /// path packs all of B as f32 to use it for a few rows. What the product computes differs only in
-    /// the order its bf16 products are summed (both f32, held to the same bound).
+    /// `vdpbf16ps` loses to its FMA on whole products, where a bf16 product (not a batch) of at most
+    /// [`IN_PLACE_DOT_ROWS`] rows, `k` at least 32, A contiguous along `k` and B stored in bf16
+    /// contiguous along `k` (a Linear's forward on a small batch, `x·W^T` with W in bf16) runs on
+    /// [`GemmPath::Avx512Bf16`]: that path reads such operands where they lie, each B value once and
+    /// half the bytes of a widened one, where the FMA path packs all of B as f32 to use it for a few
+    /// rows. What the product computes differs in the order its bf16 products are summed (both in f32,
+    /// held to the same bound) and in `vdpbf16ps`'s treatment of denormals (read as zero, flushed).
     #[must_use]
     pub fn choose_for_product(compute: Compute, dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>) -> GemmPath {
         GemmPath::choose(compute).for_product(compute, dims, a, b)
