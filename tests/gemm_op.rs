@@ -362,11 +362,13 @@ fn a_product_of_few_rows_runs_on_the_path_chosen_for_it_and_a_forced_path_as_for
     let (xs, ws) = (x.flatten_all()?.to_vec1::<half::bf16>()?, w.flatten_all()?.to_vec1::<half::bf16>()?);
     let dims = Dims::new(rows, outputs, inputs);
     let (a, b) = (MatRef::row_major(&xs[..], inputs), MatRef::transposed(&ws[..], inputs));
-    let on = |path: GemmPath| -> Vec<u32> {
+    // C's bits from amp's GEMM on `path`, in f32.
+    let f32_bits = |path: GemmPath, dims: Dims, a: MatRef<'_>, b: MatRef<'_>| -> Vec<u32> {
         let c = gemm_new(path, dims, a, b, OutputType::F32, Compute::Bf16, None).expect("runs");
         let NewOutput::F32(c) = c else { panic!("an f32 C") };
         c.iter().map(|v| v.to_bits()).collect()
     };
+    let on = |path: GemmPath| f32_bits(path, dims, a, b);
     let bits = |t: Tensor| -> Result<Vec<u32>> {
         Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
     };
@@ -392,11 +394,7 @@ fn a_product_of_few_rows_runs_on_the_path_chosen_for_it_and_a_forced_path_as_for
     let dc_values = dc.flatten_all()?.to_vec1::<f32>()?;
     let (da_dims, da_a) = (Dims::new(rows, inputs, outputs), MatRef::row_major(&dc_values[..], outputs));
     let da_b = MatRef::transposed(&b_kn_values[..], outputs);
-    let da_on = |path: GemmPath| -> Vec<u32> {
-        let c = gemm_new(path, da_dims, da_a, da_b, OutputType::F32, Compute::Bf16, None).expect("runs");
-        let NewOutput::F32(c) = c else { panic!("an f32 C") };
-        c.iter().map(|v| v.to_bits()).collect()
-    };
+    let da_on = |path: GemmPath| f32_bits(path, da_dims, da_a, da_b);
     let da = || -> Result<Tensor> {
         let a = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, inputs), &dev)?)?;
         let c = ops::matmul_to(a.as_tensor(), &b_kn, Precision::Bf16, DType::F32)?;
