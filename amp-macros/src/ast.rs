@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use proc_macro2::{Delimiter, Spacing, TokenStream, TokenTree};
 use quote::ToTokens;
 use syn::ext::IdentExt;
-use syn::{Data, DeriveInput, Generics, Ident, Member, Type};
+use syn::{parenthesized, token, Attribute, Data, DeriveInput, Generics, Ident, Member, Type};
 
 use crate::attr::Attrs;
 use crate::check::Ctxt;
@@ -29,6 +29,8 @@ pub struct Input<'a> {
     pub attrs: Attrs,
     /// Every field, skipped ones included, in declaration order.
     pub fields: Vec<Field<'a>>,
+    /// The `packed` of a `#[repr(packed)]` or `#[repr(C, packed(2))]`, as written.
+    pub packed: Option<Ident>,
 }
 
 /// One field of the struct.
@@ -84,7 +86,8 @@ impl<'a> Input<'a> {
                 }
             })
             .collect();
-        Ok(Input { ident: &node.ident, generics: &node.generics, attrs, fields })
+        let packed = repr_packed(&node.attrs);
+        Ok(Input { ident: &node.ident, generics: &node.generics, attrs, fields, packed })
     }
 }
 
@@ -119,6 +122,27 @@ impl Field<'_> {
         write_tokens(&mut text, self.ty.to_token_stream());
         text
     }
+}
+
+/// The `packed` word of the struct's `#[repr(...)]` attributes, if one names it. A `repr` that does not
+/// parse is left to rustc, which reports it.
+fn repr_packed(attrs: &[Attribute]) -> Option<Ident> {
+    let mut packed = None;
+    for attr in attrs.iter().filter(|attr| attr.path().is_ident("repr")) {
+        let _ = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("packed") {
+                packed = meta.path.get_ident().cloned();
+            }
+            // `packed(2)`, `align(8)`: the argument is not needed.
+            if meta.input.peek(token::Paren) {
+                let argument;
+                parenthesized!(argument in meta.input);
+                argument.parse::<TokenStream>()?;
+            }
+            Ok(())
+        });
+    }
+    packed
 }
 
 /// The names of the struct's type parameters, and `Self`.

@@ -64,6 +64,7 @@ impl Ctxt {
 pub fn check(cx: &mut Ctxt, input: &Input<'_>) {
     cx.at_struct();
     check_struct_attrs(cx, &input.attrs);
+    check_repr(cx, input);
     check_generic_params(cx, input.generics);
     let own_names: BTreeSet<String> = [input.ident.to_string(), "Self".to_string()].into();
     for (index, field) in input.fields.iter().enumerate() {
@@ -122,6 +123,22 @@ fn check_struct_attrs(cx: &mut Ctxt, attrs: &Attrs) {
              (a dropout rate, a config); to leave this struct out of a model, put `#[amp(skip)]` on the \
              field that holds it",
         ));
+    }
+}
+
+/// A packed struct's fields may be unaligned, and the derived `visit` borrows each of them.
+fn check_repr(cx: &mut Ctxt, input: &Input<'_>) {
+    if let Some(packed) = &input.packed {
+        cx.error_spanned_by(
+            packed,
+            format!(
+                "`#[derive(AmpModule)]` does not support `#[repr(packed)]`: amp visits each layer of `{}` \
+                 through a reference, and a field of a packed struct may be unaligned, where a reference \
+                 is undefined behaviour; remove `packed` (a layer holds its tensors behind pointers, so \
+                 packing saves no memory)",
+                input.ident
+            ),
+        );
     }
 }
 

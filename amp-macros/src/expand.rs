@@ -1,6 +1,8 @@
 //! The generated code: `AmpModule` and `HalfSafe` impls, the static plan, and spanned checks of the
 //! field types. Every runtime item is named through `::amp::__private`.
 
+use std::collections::BTreeSet;
+
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
@@ -110,30 +112,50 @@ fn where_clause(input: &Input<'_>) -> TokenStream {
 fn impl_no_fp16_under(input: &Input<'_>) -> TokenStream {
     let private = private();
     let ident = input.ident;
+    let request = request_param(input.generics);
     let mut generics = input.generics.clone();
-    generics.params.push(syn::parse_quote!(__AmpR: #private::Request));
+    generics.params.push(syn::parse_quote!(#request: #private::Request));
     let (impl_generics, _, _) = generics.split_for_impl();
     let (_, ty_generics, _) = input.generics.split_for_impl();
     let written = input.generics.where_clause.iter().flat_map(|clause| clause.predicates.iter());
     let bounds = input.modules().map(|field| {
         let ty = field.ty;
-        let request = match field.own().or(input.default()) {
-            None => quote!(__AmpR),
+        let field_request = match field.own().or(input.default()) {
+            None => quote!(#request),
             Some(Precision::Fp16 | Precision::Half) => {
-                quote!(<__AmpR as #private::Request>::Keep<#private::AskFp16>)
+                quote!(<#request as #private::Request>::Keep<#private::AskFp16>)
             }
             Some(Precision::Fp32 | Precision::Bf16) => {
-                quote!(<__AmpR as #private::Request>::Keep<#private::AskWide>)
+                quote!(<#request as #private::Request>::Keep<#private::AskWide>)
             }
         };
-        quote_spanned!(ty.span()=> #ty: #private::NoFp16Under<#request>)
+        quote_spanned!(ty.span()=> #ty: #private::NoFp16Under<#field_request>)
     });
     let predicates: Vec<TokenStream> = written.map(ToTokens::to_token_stream).chain(bounds).collect();
     let where_clause = (!predicates.is_empty()).then(|| quote!(where #(#predicates),*));
     quote! {
         #[automatically_derived]
-        impl #impl_generics #private::NoFp16Under<__AmpR> for #ident #ty_generics #where_clause {}
+        impl #impl_generics #private::NoFp16Under<#request> for #ident #ty_generics #where_clause {}
     }
+}
+
+/// The type parameter the `NoFp16Under` impl adds for the request: `__AmpR`, with underscores appended
+/// while the struct has a parameter of that name.
+pub fn request_param(generics: &Generics) -> Ident {
+    let taken: BTreeSet<String> = generics
+        .params
+        .iter()
+        .filter_map(|param| match param {
+            GenericParam::Type(param) => Some(param.ident.to_string()),
+            GenericParam::Const(param) => Some(param.ident.to_string()),
+            GenericParam::Lifetime(_) => None,
+        })
+        .collect();
+    let mut name = String::from("__AmpR");
+    while taken.contains(&name) {
+        name.push('_');
+    }
+    Ident::new(&name, Span::call_site())
 }
 
 /// `Plan { type_name, node: PlanNode::Struct { default, fields } }`.

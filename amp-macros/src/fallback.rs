@@ -5,7 +5,7 @@ use proc_macro2::TokenStream;
 use quote::quote;
 use syn::DeriveInput;
 
-use crate::expand::{has_bounds, private, unlisted};
+use crate::expand::{has_bounds, private, request_param, unlisted};
 
 /// `compile_error!`s for `error`, and `AmpModule` and `HalfSafe` impls with an empty plan.
 pub fn expand(node: &DeriveInput, error: &syn::Error) -> TokenStream {
@@ -15,8 +15,9 @@ pub fn expand(node: &DeriveInput, error: &syn::Error) -> TokenStream {
     let type_name = ident.to_string();
     let (impl_generics, ty_generics, where_clause) = node.generics.split_for_impl();
     let unlisted = unlisted(has_bounds(&node.generics));
+    let request = request_param(&node.generics);
     let mut with_request = node.generics.clone();
-    with_request.params.push(syn::parse_quote!(__AmpR: #private::Request));
+    with_request.params.push(syn::parse_quote!(#request: #private::Request));
     let (request_impl_generics, _, _) = with_request.split_for_impl();
     quote! {
         #errors
@@ -40,7 +41,7 @@ pub fn expand(node: &DeriveInput, error: &syn::Error) -> TokenStream {
 
             #[automatically_derived]
             #[diagnostic::do_not_recommend]
-            impl #request_impl_generics #private::NoFp16Under<__AmpR> for #ident #ty_generics #where_clause {}
+            impl #request_impl_generics #private::NoFp16Under<#request> for #ident #ty_generics #where_clause {}
 
             #[automatically_derived]
             #unlisted

@@ -30,6 +30,13 @@ use syn::{parse_macro_input, DeriveInput};
 /// `Vec`, `Option`, `Box` or array of modules. A half precision on a layer that must compute in fp32
 /// (`LayerNorm`, `RmsNorm`: types that do not implement `amp::HalfSafe`) is a compile error; such a
 /// layer under a half `default` simply stays fp32.
+///
+/// Not derivable, each with a compile error: enums and unions (no static plan), structs that hold
+/// themselves, and `#[repr(packed)]` structs (their fields may be unaligned, and each layer is visited
+/// through a reference). A struct in a module under `#![no_implicit_prelude]` does not compile either:
+/// the impls carry `#[diagnostic::do_not_recommend]` (it keeps every user's struct out of rustc's "other
+/// types implement this trait" lists), and rustc does not resolve the `diagnostic` namespace there; the
+/// derive cannot see that attribute of an enclosing module, so define the struct outside such a module.
 #[proc_macro_derive(AmpModule, attributes(amp))]
 pub fn derive_amp_module(input: TokenStream) -> TokenStream {
     let input = parse_macro_input!(input as DeriveInput);

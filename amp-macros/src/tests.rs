@@ -267,3 +267,28 @@ fn a_precision_in_capitals_or_with_a_dash_is_quoted_as_written_with_the_spelling
     let errors = errors_of("struct S { #[amp(fp61)] a: Linear }");
     assert!(errors.len() == 1 && errors[0].contains("expected one of: fp32"), "{errors:#?}");
 }
+
+#[test]
+fn a_packed_struct_is_refused_at_its_packed_word() {
+    for repr in ["#[repr(packed)]", "#[repr(C, packed(2))]", "#[repr(align(8))] #[repr(packed)]"] {
+        let errors = errors_of(&format!("{repr} struct S {{ fc: Linear }}"));
+        assert_eq!(errors.len(), 1, "{repr}: {errors:#?}");
+        assert!(errors[0].contains("does not support `#[repr(packed)]`"), "{repr}: {errors:#?}");
+    }
+    for repr in ["#[repr(C)]", "#[repr(C, align(16))]", "#[repr(transparent)]"] {
+        assert_eq!(errors_of(&format!("{repr} struct S {{ fc: Linear }}")), Vec::<String>::new(), "{repr}");
+    }
+}
+
+#[test]
+fn the_request_parameter_is_renamed_past_the_structs_own_parameters() {
+    let names = |generics: &str| {
+        let node = syn::parse_str::<DeriveInput>(&format!("struct S{generics} {{ inner: Linear }}"));
+        let node = node.unwrap_or_else(|error| panic!("{generics}: {error}"));
+        crate::expand::request_param(&node.generics).to_string()
+    };
+    assert_eq!(names(""), "__AmpR");
+    assert_eq!(names("<'__AmpR, M>"), "__AmpR");
+    assert_eq!(names("<__AmpR>"), "__AmpR_");
+    assert_eq!(names("<__AmpR, const __AmpR_: usize>"), "__AmpR__");
+}
