@@ -162,7 +162,7 @@ pub(super) fn cuda_choice(precision: Precision, dims: Dims, settings: CudaGemmSe
             }
         }
     }
-    Choice { kernel: MatmulKernel::Candle, reason, padded, automatic: true }
+    Choice { kernel: MatmulKernel::Candle, reason, padded }
 }
 
 #[cfg(test)]

@@ -57,20 +57,13 @@ impl fmt::Display for MatmulKernel {
 /// A dispatch decision and the reason for it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Choice {
-    /// The kernel chosen for products in this precision; where [`Choice::automatic`], a product of a
-    /// few rows may still run on another path of amp's GEMM.
+    /// The kernel that runs.
     pub kernel: MatmulKernel,
     /// Why, in a sentence.
     pub reason: String,
     /// The sizes the product runs at when its operands are zero-padded for the tensor cores (on CUDA,
     /// under [`pad_for_tensor_cores`]); `None`: at its own.
     pub padded: Option<Dims>,
-    /// Whether amp chose the kernel itself (no override forced it): a product of [`crate::ops::matmul`]
-    /// or a `Linear` on amp's GEMM may then take a faster path for its rows and layout than `kernel`
-    /// names ([`GemmPath::for_product`]: bf16 products of a few rows read in place on `vdpbf16ps` where
-    /// that instruction otherwise loses to the FMA). Attention's and convolutions' products keep
-    /// `kernel`.
-    pub automatic: bool,
 }
 
 impl fmt::Display for Choice {
@@ -194,13 +187,11 @@ fn cpu_choice(precision: Precision, over: Override) -> Choice {
             kernel: MatmulKernel::Candle,
             reason: "forced by dispatch::set_override(Override::Candle)".into(),
             padded: None,
-            automatic: false,
         },
         Override::Path(path) if !path.is_bf16_dot() || compute == Compute::Bf16 => Choice {
             kernel: MatmulKernel::Amp(path),
             reason: format!("forced by dispatch::set_override(Override::Path({path:?}))"),
             padded: None,
-            automatic: false,
         },
         Override::Path(_) | Override::Auto => automatic(compute),
     }
@@ -218,10 +209,8 @@ fn automatic(compute: Compute) -> Choice {
         }
         (Compute::Bf16, _, Some(r)) => format!(
             "vdpbf16ps measured at {r:.2}x the zmm FMA's flop rate on this CPU (below {}x): bf16 operands \
-             widened while packing, {path}; matmul and Linear products of at most {} rows whose operands \
-             lie along k (a Linear's forward on a small batch) run on vdpbf16ps, read in place",
-            amp_kernels::gemm::DOT_PAYS,
-            amp_kernels::gemm::IN_PLACE_DOT_ROWS
+             widened while packing, {path}",
+            amp_kernels::gemm::DOT_PAYS
         ),
         (Compute::Bf16, _, None) => {
             format!("no AVX512-BF16 on this CPU: bf16 operands widened while packing, {path}")
@@ -231,7 +220,7 @@ fn automatic(compute: Compute) -> Choice {
         }
         (Compute::F32, _, _) => format!("f32 on {path}"),
     };
-    Choice { kernel: MatmulKernel::Amp(path), reason, padded: None, automatic: true }
+    Choice { kernel: MatmulKernel::Amp(path), reason, padded: None }
 }
 
 #[cfg(test)]

@@ -71,9 +71,7 @@ pub(crate) fn product_to(a: &Tensor, b: &Operand, compute: Precision, out: DType
     match choice.kernel {
         MatmulKernel::Amp(path) if is_float(a.dtype()) && is_float(b.dtype()) && is_float(out) => {
             let b_values = if b.rank() == 2 { b_values.cloned() } else { None };
-            let op =
-                GemmOp { path, automatic: choice.automatic, compute: compute_of(compute), out, b_values };
-            gemm_op(&a, &b, op)
+            gemm_op(&a, &b, GemmOp { path, compute: compute_of(compute), out, b_values })
         }
         _ => candle_product(&a, &b, compute, out, choice.padded),
     }
@@ -128,12 +126,10 @@ pub(super) fn linear_op(
 ) -> Result<Option<(LinearOp, Tensor)>> {
     let w = &weight.differentiated;
     let (outputs, inputs) = w.dims2()?;
-    let choice = dispatch::explain(device, compute, Dims::new(rows, outputs, inputs));
-    match choice.kernel {
+    match dispatch::explain(device, compute, Dims::new(rows, outputs, inputs)).kernel {
         MatmulKernel::Amp(path) if [x_dtype, w.dtype(), out].into_iter().all(is_float) => {
             let bias = bias.to_dtype(DType::F32)?.contiguous()?;
-            let (automatic, compute) = (choice.automatic, compute_of(compute));
-            let gemm = GemmOp { path, automatic, compute, out, b_values: None };
+            let gemm = GemmOp { path, compute: compute_of(compute), out, b_values: None };
             let values = weight.values.clone().filter(|v| v.dims() == w.dims());
             let op = LinearOp { gemm, values, epilogue: Epilogue::Identity, pre_activation: Arc::default() };
             Ok(Some((op, bias)))
@@ -231,9 +227,6 @@ fn gemm_op(a: &Tensor, b: &Tensor, op: GemmOp) -> Result<Tensor> {
 #[derive(Clone, Debug)]
 struct GemmOp {
     path: GemmPath,
-    /// Whether `path` is the dispatcher's own choice, which a product may refine for its rows and
-    /// layout ([`GemmPath::for_product`]); a forced path runs as forced.
-    automatic: bool,
     compute: Compute,
     out: DType,
     /// Where `b`'s values are read, when not from `b` itself (a rank-2 tensor of `b`'s shape).
@@ -278,22 +271,12 @@ pub(super) fn read_from<R>(
 impl GemmOp {
     /// The op for one of this op's backward products: output `out`, operands read where they are.
     fn backward(&self, out: DType) -> GemmOp {
-        GemmOp { path: self.path, automatic: self.automatic, compute: self.compute, out, b_values: None }
-    }
-
-    /// The path a product of `dims` on `a` and `b` runs on: the op's, refined for the product where the
-    /// choice was automatic.
-    fn path_for(&self, dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>) -> GemmPath {
-        if self.automatic {
-            self.path.for_product(self.compute, dims, a, b)
-        } else {
-            self.path
-        }
+        GemmOp { path: self.path, compute: self.compute, out, b_values: None }
     }
 
     /// `bias + A·B` into new storage of the output dtype ([`new_product`]).
     fn product(&self, dims: Dims, a: MatRef<'_>, b: MatRef<'_>, bias: Option<&[f32]>) -> Result<CpuStorage> {
-        new_product((self.path_for(dims, &a, &b), self.compute), self.out, dims, a, b, bias)
+        new_product((self.path, self.compute), self.out, dims, a, b, bias)
     }
 }
 

@@ -7,9 +7,9 @@
 //! peaks. Shapes: squares 256..4096, the main job's and a BERT-base layer's products (forward, and both
 //! backward products), and skinny products (m = 4, 16, 64).
 //!
-//! The first bf16 row ("amp bf16 auto") is amp's own choice, product by product ([`gemm`]): the
-//! path [`GemmPath::choose`] picks, or another for a product of a few rows
-//! ([`GemmPath::choose_for_product`]); the rows after it force each path the CPU has.
+//! The first bf16 row ("amp bf16 auto") is amp's own choice ([`gemm`], on the path
+//! [`GemmPath::choose`] picks); the rows after it force each path the CPU has. (A path reads the
+//! operands of a product of few rows in place where it has a kernel for them: every row runs it.)
 //!
 //! Layouts are training's: forward `x·W^T` reads the weight `(out, in)` in place (B transposed),
 //! `dX = dY·W` reads both row-major, `dW = dY^T·X` reads A transposed. amp's bf16 and f16 rows write
@@ -179,8 +179,7 @@ fn main() {
 /// One implementation of the product.
 #[derive(Clone, Copy)]
 enum Contender {
-    /// amp's own choice for each product ([`gemm`], which may take another path than
-    /// [`GemmPath::choose`] for a product of a few rows: [`GemmPath::choose_for_product`]).
+    /// amp's own choice ([`gemm`], on [`GemmPath::choose`]'s path).
     AmpAuto(Compute),
     Amp(GemmPath, Compute),
     CandleF32,
@@ -291,10 +290,7 @@ fn run(shapes: Vec<Shape>) {
         for peer in torch.iter_mut().chain(&mut x86_v4) {
             peer.shape(&s);
         }
-        let auto = {
-            let (a, b) = (view(&ops.abf, s.m, s.k, s.a), view(&ops.bbf, s.k, s.n, s.b));
-            GemmPath::choose_for_product(Compute::Bf16, dims, &a, &b)
-        };
+        let auto = GemmPath::choose(Compute::Bf16);
         let call = |i: usize| -> Option<f64> {
             if not_run[i] {
                 return Some(f64::NAN);

@@ -15,13 +15,15 @@
 //!   computes through f32: no CPU here multiplies f16 quickly.
 //! - **Structure.** Both operands are packed once per call into panels (reusable per-thread buffers: a
 //!   call allocates only when a product is larger than any before it on that thread), then blocks of C
-//!   run in parallel on the current rayon pool, each through a register-blocked micro-kernel. bf16
-//!   products with at most 64 rows of A and both operands contiguous along `k` (a Linear's forward on
-//!   a small batch) skip the packing on the `vdpbf16ps` path: each element is a dot product of a row and
-//!   a column where they lie. On AMX, a single product (or a batch) of at most 64 rows whose B is bf16
-//!   contiguous along `k`, `k` and `n` at least 32 and nothing skipped, reads B once where it lies (the
-//!   last `k % 32` through a zero-padded tile), its tiles computing `C^T = B^T·A^T` with the packed
-//!   path's sums.
+//!   run in parallel on the current rayon pool, each through a register-blocked micro-kernel. A product
+//!   of few rows whose B lies contiguous along `k` (a Linear's forward on a small batch or a single
+//!   token, the weight `(out, in)` read as `W^T`) skips packing B: on the FMA paths when B is in a type
+//!   the product computes in exactly (at most 16 rows, 12 for an f32 B), each element a dot product in
+//!   16 lanes, the same order on zmm, ymm and portable code; on the `vdpbf16ps` path (bf16, at most 64
+//!   rows, A along `k` too) each element a dot product of a row and a column where they lie. On AMX, a
+//!   single product (or a batch) of at most 64 rows whose B is bf16 contiguous along `k`, `k` and `n`
+//!   at least 32 and nothing skipped, reads B once where it lies (the last `k % 32` through a
+//!   zero-padded tile), its tiles computing `C^T = B^T·A^T` with the packed path's sums.
 //!   Every element of C is summed in the same order whatever the thread count, so results are
 //!   deterministic.
 //!
@@ -48,6 +50,7 @@
 mod calibrate;
 mod dpbf16;
 mod driver;
+mod few_rows;
 mod layout;
 mod micro;
 mod pack;
@@ -62,13 +65,13 @@ pub use dpbf16::{dpbf16_lane, dpbf16_pair, tdpbf16_pair};
 pub use layout::{Dims, GemmError, Groups, MatMut, MatRef, Placement, Triangle};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use micro::{tile_peak_loop, tile_step_loop};
-pub use path::{Compute, GemmPath, IN_PLACE_DOT_ROWS};
+pub use path::{Compute, GemmPath};
 
 use crate::GradSliceMut;
 
-/// `C = start + A·B` on the fastest path this CPU has for `compute` and this product
-/// ([`GemmPath::choose_for_product`]): `start` is zero, C itself (`C += A·B`) or a bias row added to
-/// every row (a Linear's epilogue, in f32 before C is rounded).
+/// `C = start + A·B` on the fastest path this CPU has for `compute` ([`GemmPath::choose`]): `start` is
+/// zero, C itself (`C += A·B`) or a bias row added to every row (a Linear's epilogue, in f32 before C
+/// is rounded).
 ///
 /// # Errors
 /// [`GemmError`] if an operand's strides reach past its slice, or C's elements overlap.
@@ -80,7 +83,7 @@ pub fn gemm(
     compute: Compute,
     start: Start<'_>,
 ) -> Result<(), GemmError> {
-    gemm_with(GemmPath::choose_for_product(compute, dims, &a, &b), dims, a, b, c, compute, start)
+    gemm_with(GemmPath::choose(compute), dims, a, b, c, compute, start)
 }
 
 /// [`gemm`] on an explicit path.

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::layout::{Dims, GemmError, MatRef};
+use super::layout::GemmError;
 use crate::Isa;
 
 /// What the products of a GEMM are computed from. Operands in another dtype are rounded to it (round to
@@ -16,18 +16,6 @@ pub enum Compute {
     /// Operands rounded to bf16: `vdpbf16ps` where the CPU has it, f32 FMA on widened values elsewhere.
     Bf16,
 }
-
-/// The most rows of A for which [`GemmPath::choose_for_product`] runs a bf16 product read in place on
-/// `vdpbf16ps` where the CPU's `vdpbf16ps` otherwise loses to its FMA. Measured on an Intel Xeon with
-/// AVX512-BF16 (`vdpbf16ps` at 0.48x the zmm FMA's rate), 2 threads, `(m, k, n)` for 11 `(k, n)` from
-/// 256 x 1024 to 4096 x 4096, A row-major and B a transposed bf16 `(n, k)`, medians of 11 alternated
-/// trials, in two runs: the in-place `vdpbf16ps` path 1.2-2.9x the FMA path's speed for m = 1..6,
-/// 1.01-2.9x at m = 8 and 12, 0.83-2.1x at m = 16 (behind on 2-3 of the 11 shapes).
-///
-/// On such a CPU a row's result can therefore depend on how many rows its product has: the same row
-/// in a product of 12 rows and of 13 is summed in another order (and, at 12, with `vdpbf16ps`'s
-/// flushing of denormals), within the same bound.
-pub const IN_PLACE_DOT_ROWS: usize = 12;
 
 /// A GEMM code path: a micro-kernel and the packing it reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -49,12 +37,16 @@ pub enum GemmPath {
     /// `vdpbf16ps` replaced by its software model ([`super::dpbf16_pair`]): bit-identical results on any
     /// CPU. Slow; for tests.
     Avx512Bf16Model,
-    /// f32 FMA on zmm registers, 6 x 64 tiles; half operands widened while packing.
+    /// f32 FMA on zmm registers, 6 x 64 tiles; half operands widened while packing. A product of at
+    /// most 16 rows (12 for an f32 B) whose B lies contiguous along `k` in a type it computes in
+    /// exactly reads B in place instead, each element summed in 16 lanes (the same order on every FMA
+    /// path).
     Avx512,
     /// The [`GemmPath::Avx512`] algorithm (same packing, blocking, tiles and threading) with portable
     /// fused multiply-adds in the same order: bit-identical results on any CPU. Slow; for tests.
     Avx512Model,
-    /// f32 FMA on ymm registers, 6 x 16 tiles; half operands widened while packing.
+    /// f32 FMA on ymm registers, 6 x 16 tiles; half operands widened while packing. Products of few rows
+    /// as on [`GemmPath::Avx512`], the 16 lanes in two ymm registers.
     Avx2,
     /// f32 fused multiply-adds in plain Rust, 6 x 16 tiles: bit-identical to [`GemmPath::Avx2`] and
     /// [`GemmPath::Avx512`], which perform the same FMAs in the same order.
@@ -86,44 +78,6 @@ impl GemmPath {
             isa => isa,
         };
         GemmPath::choose_for(compute, isa)
-    }
-
-    /// The fastest path for one product: [`GemmPath::choose`]'s, except on a CPU with AVX512-BF16 whose
-    /// `vdpbf16ps` loses to its FMA on whole products, where a bf16 product (not a batch) of at most
-    /// [`IN_PLACE_DOT_ROWS`] rows, `k` at least 32, A contiguous along `k` and B stored in bf16
-    /// contiguous along `k` (a Linear's forward on a small batch, `x·W^T` with W in bf16) runs on
-    /// [`GemmPath::Avx512Bf16`]: that path reads such operands where they lie, each B value once and
-    /// half the bytes of a widened one, where the FMA path packs all of B as f32 to use it for a few
-    /// rows. What the product computes differs in the order its bf16 products are summed (both in f32,
-    /// held to the same bound) and in `vdpbf16ps`'s treatment of denormals (read as zero, flushed).
-    #[must_use]
-    pub fn choose_for_product(compute: Compute, dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>) -> GemmPath {
-        GemmPath::choose(compute).for_product(compute, dims, a, b)
-    }
-
-    /// The path for one product where [`GemmPath::choose`] picked `self` for `compute`: `self`, or the
-    /// in-place `vdpbf16ps` path of [`GemmPath::choose_for_product`].
-    #[must_use]
-    pub fn for_product(self, compute: Compute, dims: Dims, a: &MatRef<'_>, b: &MatRef<'_>) -> GemmPath {
-        self.refined(GemmPath::Avx512Bf16.is_supported(), compute, dims, a, b)
-    }
-
-    /// [`GemmPath::for_product`] on a CPU that has (or lacks) `vdpbf16ps`: on AVX512-BF16 the FMA path
-    /// is chosen for bf16 only where the instruction loses to the FMA.
-    fn refined(
-        self,
-        has_dot: bool,
-        compute: Compute,
-        dims: Dims,
-        a: &MatRef<'_>,
-        b: &MatRef<'_>,
-    ) -> GemmPath {
-        let few_rows = dims.batch == 1 && dims.m <= IN_PLACE_DOT_ROWS;
-        if self == GemmPath::Avx512 && has_dot && few_rows && super::skinny::reads(compute, dims, a, b) {
-            GemmPath::Avx512Bf16
-        } else {
-            self
-        }
     }
 
     /// The path [`GemmPath::choose`] picks on a CPU whose best level is `isa` and where `vdpbf16ps`
@@ -207,45 +161,6 @@ impl fmt::Display for GemmPath {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn few_rows_read_in_place_leave_the_fma_for_a_slow_dot_product_only_in_bf16() {
-        use half::bf16;
-        let (x, w) = (vec![bf16::ZERO; 16 * 64], vec![bf16::ZERO; 64 * 64]);
-        let x32 = vec![0.0f32; 16 * 64];
-        let w32 = vec![0.0f32; 64 * 64];
-        let (rows, cols) = (IN_PLACE_DOT_ROWS, 64);
-        // x (rows, 64) times W^T, W a bf16 (64, 64): a Linear's forward.
-        let linear =
-            |m| (Dims::new(m, cols, 64), MatRef::row_major(&x[..], 64), MatRef::transposed(&w[..], 64));
-        let fma = GemmPath::Avx512;
-        let (dims, a, b) = linear(rows);
-        assert_eq!(fma.refined(true, Compute::Bf16, dims, &a, &b), GemmPath::Avx512Bf16);
-        // No vdpbf16ps, or a path that is not the FMA's (the dot product already, AMX, AVX2).
-        assert_eq!(fma.refined(false, Compute::Bf16, dims, &a, &b), fma);
-        for other in [GemmPath::AmxBf16, GemmPath::Avx512Bf16, GemmPath::Avx2, GemmPath::Portable] {
-            assert_eq!(other.refined(true, Compute::Bf16, dims, &a, &b), other);
-        }
-        // Other precisions, more rows, a batch, and operands the in-place path cannot read.
-        for compute in [Compute::F32, Compute::F16] {
-            assert_eq!(fma.refined(true, compute, dims, &a, &b), fma);
-        }
-        let (more, a_more, b_more) = linear(rows + 1);
-        assert_eq!(fma.refined(true, Compute::Bf16, more, &a_more, &b_more), fma);
-        assert_eq!(fma.refined(true, Compute::Bf16, Dims::batched(2, rows, cols, 64), &a, &b), fma);
-        let b_along_n = MatRef::row_major(&w[..], 64);
-        assert_eq!(fma.refined(true, Compute::Bf16, dims, &a, &b_along_n), fma);
-        let a_along_m = MatRef::transposed(&x[..], rows);
-        assert_eq!(fma.refined(true, Compute::Bf16, dims, &a_along_m, &b), fma);
-        let b_f32 = MatRef::transposed(&w32[..], 64);
-        assert_eq!(fma.refined(true, Compute::Bf16, dims, &a, &b_f32), fma);
-        // A of any dtype is rounded to bf16 as it is read.
-        let a_f32 = MatRef::row_major(&x32[..], 64);
-        assert_eq!(fma.refined(true, Compute::Bf16, dims, &a_f32, &b), GemmPath::Avx512Bf16);
-        // k shorter than one vdpbf16ps's 32 steps.
-        let short = Dims::new(rows, cols, 31);
-        assert_eq!(fma.refined(true, Compute::Bf16, short, &a, &b), fma);
-    }
 
     #[test]
     fn bf16_products_take_the_dot_product_only_where_the_cpu_has_it() {

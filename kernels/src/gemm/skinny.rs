@@ -106,7 +106,7 @@ impl RowDots for RowDotsModel {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::RowDotsAvx512Bf16;
+pub(crate) use x86::{reduce as reduce_zmm, RowDotsAvx512Bf16};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -196,9 +196,9 @@ mod x86 {
     /// The 16 lanes added pairwise: `l` and `l + 8`, then `+ 4`, `+ 2`, `+ 1`.
     ///
     /// # Safety
-    /// AVX-512 (inlined, as [`chunk`]).
+    /// AVX-512 (inlined, as [`chunk`]; also into `few_rows`'s zmm kernel).
     #[inline(always)]
-    unsafe fn reduce(v: __m512) -> f32 {
+    pub(crate) unsafe fn reduce(v: __m512) -> f32 {
         // SAFETY: as the caller guarantees.
         unsafe {
             let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b00_00_11_10>(v, v));
@@ -260,7 +260,7 @@ impl Job<'_> {
     }
 
     /// C[batch, i, j] = start + `sum`, rounded once to C's type.
-    fn write(&self, batch: usize, i: usize, j: usize, sum: f32) {
+    pub(super) fn write(&self, batch: usize, i: usize, j: usize, sum: f32) {
         let at = batch * self.out.batch_stride + i * self.out.row_stride + j;
         // SAFETY: (batch, i, j) lies in C (layout::check), and only this task writes it.
         unsafe {

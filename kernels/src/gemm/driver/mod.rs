@@ -19,9 +19,10 @@
 //!    their matrices, so one parallel loop runs them. A [`Triangle`] narrows each tile's steps to those
 //!    where A is not known to be zero, or leaves a tile of C wholly above the diagonal at its start.
 //!
-//! Every element of C is one FMA chain in `k` order regardless of blocking or thread count. (bf16
-//! products with few rows of A and both operands contiguous along `k` take [`super::skinny`] instead on
-//! the `vdpbf16ps` path, and on AMX those whose B alone is contiguous along `k` take `skinny_tiles`.)
+//! Every element of C is one FMA chain in `k` order regardless of blocking or thread count. (Products
+//! of few rows of A whose B lies contiguous along `k` read B where it lies instead: on the FMA paths
+//! [`super::few_rows`] (B in a type the product computes in exactly), on the `vdpbf16ps` path
+//! [`super::skinny`] (bf16, A along `k` too), on AMX `skinny_tiles`.)
 //!
 //! This file plans a product and runs its blocks; `packing` packs the operands (1), `sweep` runs a
 //! block's tiles (2, 3), `tiles` holds the tiles the micro-kernel does not take whole (the steps a
@@ -37,7 +38,7 @@ use rayon::prelude::*;
 use super::layout::{Dims, MatMut, MatRef, Placement, Triangle};
 use super::micro::{self, Micro};
 use super::pack::PackInto;
-use super::skinny;
+use super::{few_rows, skinny};
 use super::{Compute, GemmPath, Start};
 use crate::GradSliceMut;
 
@@ -106,7 +107,7 @@ pub(crate) fn run_new_streamed(
     let mut blocked = false;
     let c = new_dense(dims, len, |out| {
         let job = Job::one(dims, a, b, out, compute, start);
-        blocked = stream::AVAILABLE && !skinny::applies(path, &job) && !skinny_tiles::applies(path, &job);
+        blocked = stream::AVAILABLE && !reads_in_place(path, &job);
         run_job(path, Job { stream: blocked.then_some(&finite), ..job });
     });
     let all_finite =
@@ -129,7 +130,8 @@ fn new_dense<T: NewElement>(dims: Dims, len: usize, write: impl FnOnce(Out)) -> 
 
 /// [`run_new`] for `groups` of products (C `(batch, m, count * n)` side by side, or `(count, batch, m,
 /// n)` stacked), each product `g` reading `a` and `b` `g` steps on; `triangle` says what may be skipped.
-/// One job runs them all, unless the skinny path takes them (one product at a time, as it would alone).
+/// One job runs them all, unless a path that reads few rows in place takes each product alone (then one
+/// product at a time, so that each has the bits it has alone).
 pub(crate) fn run_new_groups<T: NewElement>(
     path: GemmPath,
     dims: Dims,
@@ -197,7 +199,8 @@ unsafe fn run_groups_at<T: NewElement>(
     let spacing = Spacing { count: groups.count, a: groups.a_step, b: groups.b_step, c: c_step };
     let start = Start::Zero;
     let whole = Job { dims, a, b, out: out(0), compute, start, spacing, triangle, stream: None };
-    if groups.count > 1 && skinny::applies(path, &whole) {
+    let single = Job { spacing: Spacing::ONE, ..whole };
+    if groups.count > 1 && (skinny::applies(path, &whole) || few_rows::applies(path, &single)) {
         for g in 0..groups.count {
             const CHECKED: &str = "check_groups found every product inside its operands";
             let a = a.advanced(g * groups.a_step).expect(CHECKED);
@@ -263,6 +266,17 @@ fn run_job(path: GemmPath, job: Job<'_>) {
         }
         return;
     }
+    if few_rows::applies(path, &job) {
+        let parallel = job.dims.flops() >= PARALLEL_FLOPS;
+        match path {
+            #[cfg(target_arch = "x86_64")]
+            GemmPath::Avx512 => job.run_few_rows(few_rows::RowFmaAvx512::new().expect(CHECKED), parallel),
+            #[cfg(target_arch = "x86_64")]
+            GemmPath::Avx2 => job.run_few_rows(few_rows::RowFmaAvx2::new().expect(CHECKED), parallel),
+            _ => job.run_few_rows(few_rows::RowFmaPortable, parallel),
+        }
+        return;
+    }
     match path {
         GemmPath::Portable => job.run(micro::FmaPortable),
         GemmPath::Avx512Model => job.run(micro::FmaWideModel),
@@ -281,6 +295,11 @@ fn run_job(path: GemmPath, job: Job<'_>) {
             unreachable!("{CHECKED}")
         }
     }
+}
+
+/// Whether `job` on `path` takes a path that reads its operands where they lie instead of packing them.
+fn reads_in_place(path: GemmPath, job: &Job<'_>) -> bool {
+    skinny::applies(path, job) || skinny_tiles::applies(path, job) || few_rows::applies(path, job)
 }
 
 /// C as a raw pointer, so that parallel blocks can write their disjoint parts.
