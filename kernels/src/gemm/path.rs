@@ -38,7 +38,7 @@ pub enum GemmPath {
     /// CPU. Slow; for tests.
     Avx512Bf16Model,
     /// f32 FMA on zmm registers, 6 x 64 tiles; half operands widened while packing. A product of at
-    /// most 16 rows (12 for an f32 B) whose B lies contiguous along `k` in a type it computes in
+    /// most 16 rows (8 for an f32 B) whose B lies contiguous along `k` in a type it computes in
     /// exactly reads B in place instead, each element summed in 16 lanes (the same order on every FMA
     /// path).
     Avx512,

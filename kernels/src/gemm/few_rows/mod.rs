@@ -38,15 +38,20 @@ thread_local! {
 }
 
 /// At most this many rows of A take this path where B is bf16 or f16, [`MAX_ROWS_F32`] where it is f32
-/// (twice the bytes a row of A is used against). Measured on an Intel Xeon (AVX-512, no AMX), 2
-/// threads, zmm kernels, `(m, k, n)` for six `(k, n)` from 256 x 1024 to 4096 x 4096, A f32, B a
-/// transposed `(n, k)`, against the packed path, alternated, medians of 11: for m = 1..8 1.1-5.5x
-/// (bf16 B) and 1.1-3.0x (f32 B); at m = 12 1.1-2.1x and 0.97-1.7x; at m = 16 1.0-1.9x and 0.88-1.6x;
-/// at m = 20 0.86-1.6x (bf16 B).
+/// (twice the bytes for each row of A to amortise). One limit for every FMA path, so that a product's
+/// bits do not depend on the CPU. Measured on an Intel Xeon (AVX-512, no AMX), 2 threads, against the
+/// packed path (alternated, medians of 11), `(m, k, n)` for six `(k, n)` from 256 x 1024 to 4096 x
+/// 4096, A f32, B a transposed `(n, k)`; ymm forced on the same CPU:
+///
+/// | rows | zmm, bf16 B | zmm, f32 B | ymm, bf16 B | ymm, f32 B |
+/// |---|---|---|---|---|
+/// | 1-8 | 1.1-5.5x | 1.2-3.1x | 1.2-6.1x | 0.69-3.4x (one shape below 1) |
+/// | 12 | 1.1-2.1x | 0.97-1.7x | 0.99-1.7x | 0.75-1.3x |
+/// | 16 | 1.0-1.9x | 0.88-1.6x | 0.97-1.6x | - |
 pub(crate) const MAX_ROWS: usize = 16;
 
 /// [`MAX_ROWS`] for an f32 B.
-pub(crate) const MAX_ROWS_F32: usize = 12;
+pub(crate) const MAX_ROWS_F32: usize = 8;
 
 /// The fewest `k` this path takes: below it the lanes' reduction costs more than packing saves.
 const MIN_K: usize = 32;
