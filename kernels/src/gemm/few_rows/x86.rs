@@ -86,35 +86,50 @@ impl RowFma for RowFmaAvx2 {
     }
 }
 
-/// The tile's pointers as arrays, and its last `k % 16` values copied, zero-padded, to whole chunks.
-struct Operands<E, const R: usize, const C: usize> {
-    a: [*const f32; R],
-    b: [*const E; C],
-    a_tail: [[f32; LANES]; R],
-    b_tail: [[E; LANES]; C],
-}
-
-impl<E: Element, const R: usize, const C: usize> Operands<E, R, C> {
-    /// # Safety
-    /// `a` holds `R` pointers and `b` `C`, each valid for reading `k` values.
-    #[inline(always)]
-    unsafe fn new(k: usize, a: &[*const f32], b: &[*const E]) -> Self {
-        let (full, tail) = (k / LANES * LANES, k % LANES);
-        let a: [*const f32; R] = std::array::from_fn(|r| a[r]);
-        let b: [*const E; C] = std::array::from_fn(|c| b[c]);
-        let mut a_tail = [[0.0; LANES]; R];
-        let mut b_tail = [[E::default(); LANES]; C];
-        // SAFETY: the values from `full` to `k` lie in each row and column.
-        unsafe {
+/// A tile's sums: `chunk` on each whole chunk of 16 `k` (the rows' and columns' pointers at it), then on
+/// the last `k % 16` values copied to zero-padded chunks; then `sums[r * C + c] = reduce(acc[r][c])`.
+/// `Acc` holds 16 lanes (a zmm register, or two ymm).
+///
+/// # Safety
+/// `a` holds `R` pointers and `b` `C`, each valid for reading `k` values; `chunk` reads 16 values from
+/// each pointer it is given; the CPU runs the instructions of `chunk` and `reduce` (inlined into the
+/// caller, whose features they take).
+#[inline(always)]
+unsafe fn sum_tile<E: Element, Acc: Copy, const R: usize, const C: usize>(
+    (k, a, b): (usize, &[*const f32], &[*const E]),
+    zero: Acc,
+    mut chunk: impl FnMut(&mut [[Acc; C]; R], [*const f32; R], [*const E; C]),
+    reduce: impl Fn(Acc) -> f32,
+) -> Sums {
+    let (full, tail) = (k / LANES * LANES, k % LANES);
+    let a: [*const f32; R] = std::array::from_fn(|r| a[r]);
+    let b: [*const E; C] = std::array::from_fn(|c| b[c]);
+    let mut acc = [[zero; C]; R];
+    // SAFETY (whole body): each whole chunk lies below `k` in every row and column, as do the values
+    // from `full` to `k` copied into the tails.
+    unsafe {
+        for at in (0..full).step_by(LANES) {
+            chunk(&mut acc, a.map(|p| p.add(at)), b.map(|p| p.add(at)));
+        }
+        if tail > 0 {
+            let mut a_tail = [[0.0; LANES]; R];
+            let mut b_tail = [[E::default(); LANES]; C];
             for (dst, &p) in a_tail.iter_mut().zip(&a) {
                 dst[..tail].copy_from_slice(std::slice::from_raw_parts(p.add(full), tail));
             }
             for (dst, &p) in b_tail.iter_mut().zip(&b) {
                 dst[..tail].copy_from_slice(std::slice::from_raw_parts(p.add(full), tail));
             }
+            chunk(&mut acc, a_tail.each_ref().map(|t| t.as_ptr()), b_tail.each_ref().map(|t| t.as_ptr()));
         }
-        Operands { a, b, a_tail, b_tail }
     }
+    let mut sums = [0.0; 24];
+    for (r, row) in acc.iter().enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            sums[r * C + c] = reduce(v);
+        }
+    }
+    sums
 }
 
 /// `R x C` accumulators of 16 lanes in zmm registers.
@@ -127,12 +142,9 @@ unsafe fn tile_zmm<E: Element, const R: usize, const C: usize>(
     a: &[*const f32],
     b: &[*const E],
 ) -> Sums {
-    // SAFETY (whole body): AVX-512 runs here; each chunk reads 16 values at `at < k - 15` of every row
-    // and column, or of the zero-padded tails.
-    unsafe {
-        let ops = Operands::<E, R, C>::new(k, a, b);
-        let mut acc = [[_mm512_setzero_ps(); C]; R];
-        let chunk = |acc: &mut [[__m512; C]; R], a: [*const f32; R], b: [*const E; C]| {
+    let chunk = |acc: &mut [[__m512; C]; R], a: [*const f32; R], b: [*const E; C]| {
+        // SAFETY: AVX-512 runs here; 16 values at each pointer (`sum_tile`).
+        unsafe {
             let bv: [__m512; C] = std::array::from_fn(|c| load_zmm(b[c]));
             for (row, &pa) in acc.iter_mut().zip(&a) {
                 let av = _mm512_loadu_ps(pa);
@@ -140,23 +152,10 @@ unsafe fn tile_zmm<E: Element, const R: usize, const C: usize>(
                     *x = _mm512_fmadd_ps(av, bc, *x);
                 }
             }
-        };
-        for at in (0..k / LANES * LANES).step_by(LANES) {
-            chunk(&mut acc, ops.a.map(|p| p.add(at)), ops.b.map(|p| p.add(at)));
         }
-        if !k.is_multiple_of(LANES) {
-            let a_tail: [*const f32; R] = std::array::from_fn(|r| ops.a_tail[r].as_ptr());
-            let b_tail: [*const E; C] = std::array::from_fn(|c| ops.b_tail[c].as_ptr());
-            chunk(&mut acc, a_tail, b_tail);
-        }
-        let mut sums = [0.0; 24];
-        for (r, row) in acc.iter().enumerate() {
-            for (c, &v) in row.iter().enumerate() {
-                sums[r * C + c] = reduce_zmm(v);
-            }
-        }
-        sums
-    }
+    };
+    // SAFETY: AVX-512 runs here (the zero, the chunk, the reduction); pointers as the caller guarantees.
+    unsafe { sum_tile((k, a, b), _mm512_setzero_ps(), chunk, |v| reduce_zmm(v)) }
 }
 
 /// 16 values at `p` widened to f32.
@@ -187,12 +186,9 @@ unsafe fn tile_ymm<E: Element, const R: usize, const C: usize>(
     a: &[*const f32],
     b: &[*const E],
 ) -> Sums {
-    // SAFETY (whole body): AVX2, FMA and F16C run here; each half chunk reads 8 values at
-    // `at + 8 * h < k - 7` of every row and column, or of the zero-padded tails.
-    unsafe {
-        let ops = Operands::<E, R, C>::new(k, a, b);
-        let mut acc = [[[_mm256_setzero_ps(); 2]; C]; R];
-        let chunk = |acc: &mut [[[__m256; 2]; C]; R], a: [*const f32; R], b: [*const E; C]| {
+    let chunk = |acc: &mut [[[__m256; 2]; C]; R], a: [*const f32; R], b: [*const E; C]| {
+        // SAFETY: AVX2, FMA and F16C run here; each half reads 8 of the 16 values at each pointer.
+        unsafe {
             for h in 0..2 {
                 let bv: [__m256; C] = std::array::from_fn(|c| load_ymm(b[c].add(8 * h)));
                 for (row, &pa) in acc.iter_mut().zip(&a) {
@@ -202,23 +198,11 @@ unsafe fn tile_ymm<E: Element, const R: usize, const C: usize>(
                     }
                 }
             }
-        };
-        for at in (0..k / LANES * LANES).step_by(LANES) {
-            chunk(&mut acc, ops.a.map(|p| p.add(at)), ops.b.map(|p| p.add(at)));
         }
-        if !k.is_multiple_of(LANES) {
-            let a_tail: [*const f32; R] = std::array::from_fn(|r| ops.a_tail[r].as_ptr());
-            let b_tail: [*const E; C] = std::array::from_fn(|c| ops.b_tail[c].as_ptr());
-            chunk(&mut acc, a_tail, b_tail);
-        }
-        let mut sums = [0.0; 24];
-        for (r, row) in acc.iter().enumerate() {
-            for (c, &[lo, hi]) in row.iter().enumerate() {
-                sums[r * C + c] = reduce_ymm_pair(lo, hi);
-            }
-        }
-        sums
-    }
+    };
+    let zero = [_mm256_setzero_ps(); 2];
+    // SAFETY: AVX2 runs here (the chunk, the reduction); pointers as the caller guarantees.
+    unsafe { sum_tile((k, a, b), zero, chunk, |[lo, hi]| reduce_ymm_pair(lo, hi)) }
 }
 
 /// 8 values at `p` widened to f32.
