@@ -140,7 +140,8 @@ fn unscale_norm_and_adam_over_98_tensors_do_not_allocate() {
     drop(ts);
 
     // GEMMs: the packed path (parallel blocks, a bias, bf16 C through the f32 scratch of k-blocks) and
-    // the skinny one (f32 A rounded to bf16, B read in place), on the best path and the models.
+    // those that read B in place for 16 rows (f32 A rounded into a buffer kept per thread: the FMA
+    // paths' few-rows kernel, the `vdpbf16ps` one), on the best path and the models.
     // k = 1100: more than one k-block on every path (256 or 512 f32 steps, 1024 `k` of bf16 pairs).
     let (m, k, n) = (200, 1100, 256);
     let a: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 - 6.0).collect();
@@ -159,7 +160,8 @@ fn unscale_norm_and_adam_over_98_tensors_do_not_allocate() {
                 };
                 warm_up(&mut product);
                 let (count, largest) = measure(4, &mut product);
-                // The smallest buffer a product keeps (the skinny path's rounded A) is 9,600 B.
+                // The smallest buffer a product keeps (16 rows of A rounded: 35,200 B as bf16, 70,400 as
+                // f32) is far above the 4 KiB allowed, so regrowing one fails the test.
                 let what = format!("{path} gemm of {rows} x {k} x {n} inside the pool");
                 assert!(count <= 2 && largest <= 4096, "{what}: {count} allocs, {largest} B");
             }
