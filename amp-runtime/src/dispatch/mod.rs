@@ -32,6 +32,7 @@ use std::cell::Cell;
 use std::fmt;
 use std::sync::RwLock;
 
+use amp_kernels::Dtype;
 use candle_core::Device;
 
 use crate::Precision;
@@ -165,7 +166,7 @@ pub fn explain(device: &Device, precision: Precision, dims: Dims) -> Choice {
 #[must_use]
 pub fn choose(device: &Device, precision: Precision, dims: Dims, over: Override) -> Choice {
     let choice = if device.is_cpu() {
-        cpu_choice(precision, over)
+        with_in_place_clause(cpu_choice(precision, over), compute_of(precision), dims)
     } else {
         let tf32 = candle_core::cuda::gemm_reduced_precision_f32();
         cuda::cuda_choice(precision, dims, CudaGemmSettings::for_policy(tf32), pads_for_tensor_cores())
@@ -223,6 +224,25 @@ fn automatic(compute: Compute) -> Choice {
     Choice { kernel: MatmulKernel::Amp(path), reason, padded: None }
 }
 
+/// `choice` with a clause on how a product of `dims` reads its weight, where its path reads a weight of
+/// the precision's own type in place for that few rows (a Linear's forward on a small batch).
+fn with_in_place_clause(mut choice: Choice, compute: Compute, dims: Dims) -> Choice {
+    let weight = match compute {
+        Compute::F32 => Dtype::F32,
+        Compute::F16 => Dtype::F16,
+        Compute::Bf16 => Dtype::Bf16,
+    };
+    if let MatmulKernel::Amp(path) = choice.kernel {
+        if let Some(rows) = path.rows_read_in_place(compute, weight).filter(|&rows| dims.m <= rows) {
+            choice.reason.push_str(&format!(
+                "; with {} rows (at most {rows}), a weight stored along k is read where it lies, not packed",
+                dims.m
+            ));
+        }
+    }
+    choice
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +256,16 @@ mod tests {
         }
         let f16 = choose(&Device::Cpu, Precision::Fp16, dims, Override::Auto);
         assert!(f16.reason.contains("widened"), "{f16}");
+        // A product of few rows reads its weight in place on every path; the reason says so for such
+        // a product only.
+        let rows = GemmPath::choose(Compute::F32).rows_read_in_place(Compute::F32, Dtype::F32);
+        let rows = rows.expect("an FMA path reads an f32 weight of a few rows in place");
+        let few = choose(&Device::Cpu, Precision::Fp32, Dims::new(rows, 64, 64), Override::Auto);
+        let clause =
+            format!("with {rows} rows (at most {rows}), a weight stored along k is read where it lies");
+        assert!(few.reason.contains(&clause), "{few}");
+        let many = choose(&Device::Cpu, Precision::Fp32, Dims::new(rows + 1, 64, 64), Override::Auto);
+        assert!(!many.reason.contains("where it lies"), "{many}");
     }
 
     #[test]

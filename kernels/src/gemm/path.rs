@@ -3,7 +3,7 @@
 use std::fmt;
 
 use super::layout::GemmError;
-use crate::Isa;
+use crate::{Dtype, Isa};
 
 /// What the products of a GEMM are computed from. Operands in another dtype are rounded to it (round to
 /// nearest even, as `half` rounds) while they are packed; products are exact and summed in f32.
@@ -93,6 +93,26 @@ impl GemmPath {
         }
     }
 
+    /// The most rows of A for which this path reads B where it lies instead of packing it, for a B
+    /// stored as `b` contiguous along `k` (a Linear's weight `(out, in)` read as `W^T`) and products
+    /// computed in `compute`; `None` where it packs such a B whatever the rows. The FMA paths read it
+    /// where `b` holds `compute`'s values exactly (at most 16 rows; 8 for an f32 B), the `vdpbf16ps`
+    /// path a bf16 B when A lies along `k` too, AMX a bf16 B when `n` is at least 32 and nothing is
+    /// skipped; each when `k` is at least 32.
+    #[must_use]
+    pub fn rows_read_in_place(self, compute: Compute, b: Dtype) -> Option<usize> {
+        let bf16_pairs = compute == Compute::Bf16 && b == Dtype::Bf16;
+        match self {
+            GemmPath::Avx512 | GemmPath::Avx512Model | GemmPath::Avx2 | GemmPath::Portable => {
+                super::few_rows::max_rows(compute, b)
+            }
+            GemmPath::Avx512Bf16 | GemmPath::Avx512Bf16Model => bf16_pairs.then_some(super::skinny::MAX_ROWS),
+            GemmPath::AmxBf16 | GemmPath::AmxBf16Model => {
+                bf16_pairs.then_some(super::driver::SKINNY_TILES_MAX_ROWS)
+            }
+        }
+    }
+
     /// The instruction-set level this path needs.
     #[must_use]
     pub fn isa(self) -> Isa {
@@ -161,6 +181,37 @@ impl fmt::Display for GemmPath {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rows_read_in_place_are_those_each_path_takes() {
+        use super::super::layout::{Dims, MatRef};
+        use half::{bf16, f16};
+        let (w32, w16, wh) = (vec![0.0f32; 64 * 64], vec![bf16::ZERO; 64 * 64], vec![f16::ZERO; 64 * 64]);
+        let weights = [
+            (Dtype::F32, MatRef::transposed(&w32[..], 64)),
+            (Dtype::Bf16, MatRef::transposed(&w16[..], 64)),
+            (Dtype::F16, MatRef::transposed(&wh[..], 64)),
+        ];
+        let x = vec![0.0f32; 65 * 64];
+        let a = MatRef::row_major(&x[..], 64);
+        for compute in [Compute::F32, Compute::F16, Compute::Bf16] {
+            for (dtype, b) in &weights {
+                let rows = GemmPath::Avx2.rows_read_in_place(compute, *dtype);
+                for m in [1, 8, 9, 16, 17, 64, 65] {
+                    let reads = super::super::few_rows::reads(compute, Dims::new(m, 64, 64), b);
+                    assert_eq!(reads, rows.is_some_and(|r| m <= r), "FMA {compute:?} {dtype:?} m {m}");
+                    let dot = super::super::skinny::reads(compute, Dims::new(m, 64, 64), &a, b);
+                    let dot_rows = GemmPath::Avx512Bf16.rows_read_in_place(compute, *dtype);
+                    assert_eq!(dot, dot_rows.is_some_and(|r| m <= r), "dot {compute:?} {dtype:?} m {m}");
+                }
+            }
+        }
+        assert_eq!(GemmPath::Portable.rows_read_in_place(Compute::F32, Dtype::F32), Some(8));
+        assert_eq!(GemmPath::Avx512.rows_read_in_place(Compute::Bf16, Dtype::Bf16), Some(16));
+        assert_eq!(GemmPath::Avx512.rows_read_in_place(Compute::Bf16, Dtype::F32), None);
+        assert_eq!(GemmPath::AmxBf16.rows_read_in_place(Compute::Bf16, Dtype::Bf16), Some(64));
+        assert_eq!(GemmPath::AmxBf16Model.rows_read_in_place(Compute::F32, Dtype::Bf16), None);
+    }
 
     #[test]
     fn bf16_products_take_the_dot_product_only_where_the_cpu_has_it() {

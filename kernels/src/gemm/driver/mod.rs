@@ -60,6 +60,9 @@ mod tiles;
 /// against 0.12-0.13 ms, 0.39-0.42 against 0.38-0.59 ms).
 const IN_PLACE_ALIASING: usize = 2048;
 
+/// The most rows of a product AMX reads its B for in place (`skinny_tiles`).
+pub(crate) const SKINNY_TILES_MAX_ROWS: usize = skinny_tiles::MAX_ROWS;
+
 /// Products below this many flops run on the calling thread only.
 const PARALLEL_FLOPS: f64 = 4.0e6;
 

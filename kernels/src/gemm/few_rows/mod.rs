@@ -25,7 +25,7 @@ use super::driver::Job;
 use super::row_load::convert_run;
 use super::{Compute, Dims, GemmPath, MatRef};
 use crate::gemm::pack::Source;
-use crate::GradSlice;
+use crate::{Dtype, GradSlice};
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -75,13 +75,20 @@ pub(crate) fn applies(path: GemmPath, job: &Job<'_>) -> bool {
 /// of A (any layout and dtype), at least [`MIN_K`] `k`, B contiguous along `k` in a dtype `compute` holds exactly (f32
 /// for f32 products, bf16 for bf16 or f32, f16 for f16 or f32), so that B needs no rounding.
 pub(crate) fn reads(compute: Compute, dims: Dims, b: &MatRef<'_>) -> bool {
-    let exact = match b.data {
-        GradSlice::F32(_) => compute == Compute::F32,
-        GradSlice::Bf16(_) => compute != Compute::F16,
-        GradSlice::F16(_) => compute != Compute::Bf16,
-    };
-    let max_rows = if matches!(b.data, GradSlice::F32(_)) { MAX_ROWS_F32 } else { MAX_ROWS };
-    exact && b.row_stride == 1 && dims.m <= max_rows && dims.k >= MIN_K
+    let max_rows = max_rows(compute, b.data.dtype());
+    max_rows.is_some_and(|rows| dims.m <= rows) && b.row_stride == 1 && dims.k >= MIN_K
+}
+
+/// The most rows this path takes for a B stored in `b` and products computed in `compute`: `None`
+/// where B would need rounding (f32 for a half product, one half type for the other).
+pub(crate) fn max_rows(compute: Compute, b: Dtype) -> Option<usize> {
+    match (b, compute) {
+        (Dtype::F32, Compute::F32) => Some(MAX_ROWS_F32),
+        (Dtype::Bf16, Compute::F32 | Compute::Bf16) | (Dtype::F16, Compute::F32 | Compute::F16) => {
+            Some(MAX_ROWS)
+        }
+        _ => None,
+    }
 }
 
 /// An element type of B: widened to f32 exactly, in registers.
