@@ -234,9 +234,12 @@ fn with_in_place_clause(mut choice: Choice, compute: Compute, dims: Dims) -> Cho
     };
     if let MatmulKernel::Amp(path) = choice.kernel {
         if let Some(rows) = path.rows_read_in_place(compute, weight).filter(|&rows| dims.m <= rows) {
+            let m = match dims.m {
+                1 => "1 row".to_string(),
+                m => format!("{m} rows"),
+            };
             choice.reason.push_str(&format!(
-                "; with {} rows (at most {rows}), a weight stored along k is read where it lies, not packed",
-                dims.m
+                "; with {m} (at most {rows}), a weight stored along k is read where it lies, not packed"
             ));
         }
     }
@@ -264,6 +267,8 @@ mod tests {
         let clause =
             format!("with {rows} rows (at most {rows}), a weight stored along k is read where it lies");
         assert!(few.reason.contains(&clause), "{few}");
+        let one = choose(&Device::Cpu, Precision::Bf16, Dims::new(1, 64, 64), Override::Auto);
+        assert!(one.reason.contains("; with 1 row (at most"), "{one}");
         let many = choose(&Device::Cpu, Precision::Fp32, Dims::new(rows + 1, 64, 64), Override::Auto);
         assert!(!many.reason.contains("where it lies"), "{many}");
     }
