@@ -233,13 +233,13 @@ fn with_in_place_clause(mut choice: Choice, compute: Compute, dims: Dims) -> Cho
         Compute::Bf16 => Dtype::Bf16,
     };
     if let MatmulKernel::Amp(path) = choice.kernel {
-        if let Some(rows) = path.rows_read_in_place(compute, weight).filter(|&rows| dims.m <= rows) {
+        if let Some(rows) = path.rows_read_in_place(compute, weight, dims.k).filter(|&rows| dims.m <= rows) {
             let m = match dims.m {
                 1 => "1 row".to_string(),
                 m => format!("{m} rows"),
             };
             choice.reason.push_str(&format!(
-                "; with {m} (at most {rows}), a weight stored along k is read where it lies, not packed"
+                "; with {m} (at most {rows} at this k), a weight stored along k is read where it lies, not packed"
             ));
         }
     }
@@ -261,15 +261,17 @@ mod tests {
         assert!(f16.reason.contains("widened"), "{f16}");
         // A product of few rows reads its weight in place on every path; the reason says so for such
         // a product only.
-        let rows = GemmPath::choose(Compute::F32).rows_read_in_place(Compute::F32, Dtype::F32);
+        let k = 1024;
+        let rows = GemmPath::choose(Compute::F32).rows_read_in_place(Compute::F32, Dtype::F32, k);
         let rows = rows.expect("an FMA path reads an f32 weight of a few rows in place");
-        let few = choose(&Device::Cpu, Precision::Fp32, Dims::new(rows, 64, 64), Override::Auto);
-        let clause =
-            format!("with {rows} rows (at most {rows}), a weight stored along k is read where it lies");
+        let few = choose(&Device::Cpu, Precision::Fp32, Dims::new(rows, 64, k), Override::Auto);
+        let clause = format!(
+            "with {rows} rows (at most {rows} at this k), a weight stored along k is read where it lies"
+        );
         assert!(few.reason.contains(&clause), "{few}");
-        let one = choose(&Device::Cpu, Precision::Bf16, Dims::new(1, 64, 64), Override::Auto);
+        let one = choose(&Device::Cpu, Precision::Bf16, Dims::new(1, 64, k), Override::Auto);
         assert!(one.reason.contains("; with 1 row (at most"), "{one}");
-        let many = choose(&Device::Cpu, Precision::Fp32, Dims::new(rows + 1, 64, 64), Override::Auto);
+        let many = choose(&Device::Cpu, Precision::Fp32, Dims::new(rows + 1, 64, k), Override::Auto);
         assert!(!many.reason.contains("where it lies"), "{many}");
     }
 

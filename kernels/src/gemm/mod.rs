@@ -18,12 +18,13 @@
 //!   run in parallel on the current rayon pool, each through a register-blocked micro-kernel. A product
 //!   of few rows whose B lies contiguous along `k` (a Linear's forward on a small batch or a single
 //!   token, the weight `(out, in)` read as `W^T`) skips packing B: on the FMA paths when B is in a type
-//!   the product computes in exactly (at most 16 rows, 8 for an f32 B), each element a dot product in
-//!   16 lanes, the same order on zmm, ymm and portable code; on the `vdpbf16ps` path (bf16, at most 64
-//!   rows, A along `k` too) each element a dot product of a row and a column where they lie. On AMX, a
-//!   single product (or a batch) of at most 64 rows whose B is bf16 contiguous along `k`, `k` and `n`
-//!   at least 32 and nothing skipped, reads B once where it lies (the last `k % 32` through a
-//!   zero-padded tile), its tiles computing `C^T = B^T·A^T` with the packed path's sums.
+//!   the product computes in exactly (at most 16 rows, 8 for an f32 B, `k` of 32 a row), each element
+//!   a dot product in 16 lanes, the same order on zmm, ymm and portable code; on the `vdpbf16ps` path
+//!   (bf16, at most 64 rows, A along `k` too) each element a dot product of a row and a column where
+//!   they lie. On AMX, a single product (or a batch) of at most 64 rows whose B is bf16 contiguous
+//!   along `k`, `k` and `n` at least 32 and nothing skipped, reads B once where it lies (the last
+//!   `k % 32` through a zero-padded tile), its tiles computing `C^T = B^T·A^T` with the packed path's
+//!   sums.
 //!   Every element of C is summed in the same order whatever the thread count, so results are
 //!   deterministic.
 //!

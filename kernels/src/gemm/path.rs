@@ -38,9 +38,9 @@ pub enum GemmPath {
     /// CPU. Slow; for tests.
     Avx512Bf16Model,
     /// f32 FMA on zmm registers, 6 x 64 tiles; half operands widened while packing. A product of at
-    /// most 16 rows (8 for an f32 B) whose B lies contiguous along `k` in a type it computes in
-    /// exactly reads B in place instead, each element summed in 16 lanes (the same order on every FMA
-    /// path).
+    /// most 16 rows (8 for an f32 B; `k` of at least 32 a row) whose B lies contiguous along `k` in a
+    /// type it computes in exactly reads B in place instead, each element summed in 16 lanes (the same
+    /// order on every FMA path).
     Avx512,
     /// The [`GemmPath::Avx512`] algorithm (same packing, blocking, tiles and threading) with portable
     /// fused multiply-adds in the same order: bit-identical results on any CPU. Slow; for tests.
@@ -94,17 +94,18 @@ impl GemmPath {
     }
 
     /// The most rows of A for which this path reads B where it lies instead of packing it, for a B
-    /// stored as `b` contiguous along `k` (a Linear's weight `(out, in)` read as `W^T`) and products
-    /// computed in `compute`; `None` where it packs such a B whatever the rows. The FMA paths read it
-    /// where `b` holds `compute`'s values exactly (at most 16 rows; 8 for an f32 B), the `vdpbf16ps`
-    /// path a bf16 B when A lies along `k` too, AMX a bf16 B when `n` is at least 32 and nothing is
-    /// skipped; each when `k` is at least 32.
+    /// stored as `b` contiguous along `k` (a Linear's weight `(out, in)` read as `W^T`), products
+    /// computed in `compute` and this `k`; `None` where it packs such a B whatever the rows. The FMA
+    /// paths read it where `b` holds `compute`'s values exactly, for at most 16 rows (8 for an f32 B)
+    /// and `k` of at least 32 for each row; the `vdpbf16ps` path a bf16 B when A lies along `k` too,
+    /// AMX a bf16 B when `n` is at least 32 and nothing is skipped, each for at most 64 rows and `k`
+    /// of at least 32.
     #[must_use]
-    pub fn rows_read_in_place(self, compute: Compute, b: Dtype) -> Option<usize> {
-        let bf16_pairs = compute == Compute::Bf16 && b == Dtype::Bf16;
+    pub fn rows_read_in_place(self, compute: Compute, b: Dtype, k: usize) -> Option<usize> {
+        let bf16_pairs = compute == Compute::Bf16 && b == Dtype::Bf16 && k >= 32;
         match self {
             GemmPath::Avx512 | GemmPath::Avx512Model | GemmPath::Avx2 | GemmPath::Portable => {
-                super::few_rows::max_rows(compute, b)
+                super::few_rows::max_rows(compute, b, k)
             }
             GemmPath::Avx512Bf16 | GemmPath::Avx512Bf16Model => bf16_pairs.then_some(super::skinny::MAX_ROWS),
             GemmPath::AmxBf16 | GemmPath::AmxBf16Model => {
@@ -186,31 +187,41 @@ mod tests {
     fn the_rows_read_in_place_are_those_each_path_takes() {
         use super::super::layout::{Dims, MatRef};
         use half::{bf16, f16};
-        let (w32, w16, wh) = (vec![0.0f32; 64 * 64], vec![bf16::ZERO; 64 * 64], vec![f16::ZERO; 64 * 64]);
-        let weights = [
-            (Dtype::F32, MatRef::transposed(&w32[..], 64)),
-            (Dtype::Bf16, MatRef::transposed(&w16[..], 64)),
-            (Dtype::F16, MatRef::transposed(&wh[..], 64)),
-        ];
-        let x = vec![0.0f32; 65 * 64];
-        let a = MatRef::row_major(&x[..], 64);
-        for compute in [Compute::F32, Compute::F16, Compute::Bf16] {
-            for (dtype, b) in &weights {
-                let rows = GemmPath::Avx2.rows_read_in_place(compute, *dtype);
-                for m in [1, 8, 9, 16, 17, 64, 65] {
-                    let reads = super::super::few_rows::reads(compute, Dims::new(m, 64, 64), b);
-                    assert_eq!(reads, rows.is_some_and(|r| m <= r), "FMA {compute:?} {dtype:?} m {m}");
-                    let dot = super::super::skinny::reads(compute, Dims::new(m, 64, 64), &a, b);
-                    let dot_rows = GemmPath::Avx512Bf16.rows_read_in_place(compute, *dtype);
-                    assert_eq!(dot, dot_rows.is_some_and(|r| m <= r), "dot {compute:?} {dtype:?} m {m}");
+        for k in [31, 32, 64, 128, 1024] {
+            let len = 64 * k;
+            let (w32, w16, wh) = (vec![0.0f32; len], vec![bf16::ZERO; len], vec![f16::ZERO; len]);
+            let weights = [
+                (Dtype::F32, MatRef::transposed(&w32[..], k)),
+                (Dtype::Bf16, MatRef::transposed(&w16[..], k)),
+                (Dtype::F16, MatRef::transposed(&wh[..], k)),
+            ];
+            let x = vec![0.0f32; 65 * k];
+            let a = MatRef::row_major(&x[..], k);
+            for compute in [Compute::F32, Compute::F16, Compute::Bf16] {
+                for (dtype, b) in &weights {
+                    let rows = GemmPath::Avx2.rows_read_in_place(compute, *dtype, k);
+                    let dot_rows = GemmPath::Avx512Bf16.rows_read_in_place(compute, *dtype, k);
+                    for m in [1, 2, 4, 8, 9, 16, 17, 64, 65] {
+                        let dims = Dims::new(m, 64, k);
+                        let fma = super::super::few_rows::reads(compute, dims, b);
+                        assert_eq!(fma, rows.is_some_and(|r| m <= r), "FMA {compute:?} {dtype:?} {m} x {k}");
+                        let dot = super::super::skinny::reads(compute, dims, &a, b);
+                        assert_eq!(
+                            dot,
+                            dot_rows.is_some_and(|r| m <= r),
+                            "dot {compute:?} {dtype:?} {m} x {k}"
+                        );
+                    }
                 }
             }
         }
-        assert_eq!(GemmPath::Portable.rows_read_in_place(Compute::F32, Dtype::F32), Some(8));
-        assert_eq!(GemmPath::Avx512.rows_read_in_place(Compute::Bf16, Dtype::Bf16), Some(16));
-        assert_eq!(GemmPath::Avx512.rows_read_in_place(Compute::Bf16, Dtype::F32), None);
-        assert_eq!(GemmPath::AmxBf16.rows_read_in_place(Compute::Bf16, Dtype::Bf16), Some(64));
-        assert_eq!(GemmPath::AmxBf16Model.rows_read_in_place(Compute::F32, Dtype::Bf16), None);
+        assert_eq!(GemmPath::Portable.rows_read_in_place(Compute::F32, Dtype::F32, 1024), Some(8));
+        assert_eq!(GemmPath::Avx512.rows_read_in_place(Compute::Bf16, Dtype::Bf16, 1024), Some(16));
+        assert_eq!(GemmPath::Avx512.rows_read_in_place(Compute::Bf16, Dtype::Bf16, 128), Some(4));
+        assert_eq!(GemmPath::Avx512.rows_read_in_place(Compute::Bf16, Dtype::F32, 1024), None);
+        assert_eq!(GemmPath::Avx512.rows_read_in_place(Compute::F32, Dtype::F32, 31), None);
+        assert_eq!(GemmPath::AmxBf16.rows_read_in_place(Compute::Bf16, Dtype::Bf16, 1024), Some(64));
+        assert_eq!(GemmPath::AmxBf16Model.rows_read_in_place(Compute::F32, Dtype::Bf16, 1024), None);
     }
 
     #[test]

@@ -53,8 +53,12 @@ pub(crate) const MAX_ROWS: usize = 16;
 /// [`MAX_ROWS`] for an f32 B.
 pub(crate) const MAX_ROWS_F32: usize = 8;
 
-/// The fewest `k` this path takes: below it the lanes' reduction costs more than packing saves.
-const MIN_K: usize = 32;
+/// The `k` this path needs for each row of A: each element ends in a reduction of its 16 lanes, which
+/// costs as much as a few chunks of FMAs, so a short `k` pays only for very few rows. Measured as for
+/// [`MAX_ROWS`] with `k` of 32 to 256 (n = 512 and 3072): 2 rows ran at 0.77-0.94x the packed path's
+/// speed at k = 32 and 1.2-1.6x at 64; 4 rows 0.69-0.96x at 64 and 1.1-1.5x at 128; 8 rows 0.77-1.29x
+/// at 128 and 1.3-1.4x at 256; 16 rows (bf16 B) 0.54-0.79x at 128.
+const K_PER_ROW: usize = 32;
 
 /// Lanes per dot product.
 pub(crate) const LANES: usize = 16;
@@ -72,23 +76,23 @@ pub(crate) fn applies(path: GemmPath, job: &Job<'_>) -> bool {
 }
 
 /// Whether a product's operands are what this path reads: at most [`MAX_ROWS`] ([`MAX_ROWS_F32`]) rows
-/// of A (any layout and dtype), at least [`MIN_K`] `k`, B contiguous along `k` in a dtype `compute` holds exactly (f32
-/// for f32 products, bf16 for bf16 or f32, f16 for f16 or f32), so that B needs no rounding.
+/// of A (any layout and dtype) and [`K_PER_ROW`] `k` for each, B contiguous along `k` in a dtype
+/// `compute` holds exactly (f32 for f32 products, bf16 for bf16 or f32, f16 for f16 or f32), so that B
+/// needs no rounding.
 pub(crate) fn reads(compute: Compute, dims: Dims, b: &MatRef<'_>) -> bool {
-    let max_rows = max_rows(compute, b.data.dtype());
-    max_rows.is_some_and(|rows| dims.m <= rows) && b.row_stride == 1 && dims.k >= MIN_K
+    max_rows(compute, b.data.dtype(), dims.k).is_some_and(|rows| dims.m <= rows) && b.row_stride == 1
 }
 
-/// The most rows this path takes for a B stored in `b` and products computed in `compute`: `None`
-/// where B would need rounding (f32 for a half product, one half type for the other).
-pub(crate) fn max_rows(compute: Compute, b: Dtype) -> Option<usize> {
-    match (b, compute) {
-        (Dtype::F32, Compute::F32) => Some(MAX_ROWS_F32),
-        (Dtype::Bf16, Compute::F32 | Compute::Bf16) | (Dtype::F16, Compute::F32 | Compute::F16) => {
-            Some(MAX_ROWS)
-        }
-        _ => None,
-    }
+/// The most rows this path takes for a B stored in `b`, products computed in `compute` and this `k`
+/// ([`K_PER_ROW`] for each row): `None` where it takes none, B would need rounding (f32 for a half
+/// product, one half type for the other) or `k` is below [`K_PER_ROW`].
+pub(crate) fn max_rows(compute: Compute, b: Dtype, k: usize) -> Option<usize> {
+    let cap = match (b, compute) {
+        (Dtype::F32, Compute::F32) => MAX_ROWS_F32,
+        (Dtype::Bf16, Compute::F32 | Compute::Bf16) | (Dtype::F16, Compute::F32 | Compute::F16) => MAX_ROWS,
+        _ => return None,
+    };
+    Some(cap.min(k / K_PER_ROW)).filter(|&rows| rows > 0)
 }
 
 /// An element type of B: widened to f32 exactly, in registers.

@@ -107,24 +107,31 @@ fn the_sums_run_in_sixteen_lanes_added_pairwise() {
 }
 
 #[test]
-fn only_operands_b_of_an_exact_type_along_k_and_few_rows_are_read_in_place() {
-    let (w32, w16, wh) = (vec![0.0f32; 64 * 64], vec![bf16::ZERO; 64 * 64], vec![f16::ZERO; 64 * 64]);
+fn only_operands_b_of_an_exact_type_along_k_and_few_rows_of_a_long_enough_k_are_read_in_place() {
+    let len = 64 * 1024;
+    let (w32, w16, wh) = (vec![0.0f32; len], vec![bf16::ZERO; len], vec![f16::ZERO; len]);
     let dims = |m, k| Dims::new(m, 64, k);
-    fn along_k<'a>(data: impl Into<GradSlice<'a>>) -> MatRef<'a> {
-        MatRef::transposed(data, 64)
+    fn along_k<'a>(data: impl Into<GradSlice<'a>>, k: usize) -> MatRef<'a> {
+        MatRef::transposed(data, k)
     }
-    assert!(reads(Compute::F32, dims(1, 64), &along_k(&w32[..])));
-    assert!(reads(Compute::F32, dims(MAX_ROWS_F32, 64), &along_k(&w32[..])));
-    assert!(reads(Compute::F32, dims(MAX_ROWS, 64), &along_k(&w16[..])));
-    assert!(reads(Compute::Bf16, dims(4, 64), &along_k(&w16[..])));
-    assert!(reads(Compute::F16, dims(4, 64), &along_k(&wh[..])));
+    let k = 1024;
+    assert!(reads(Compute::F32, dims(1, k), &along_k(&w32[..], k)));
+    assert!(reads(Compute::F32, dims(MAX_ROWS_F32, k), &along_k(&w32[..], k)));
+    assert!(reads(Compute::F32, dims(MAX_ROWS, k), &along_k(&w16[..], k)));
+    assert!(reads(Compute::Bf16, dims(4, k), &along_k(&w16[..], k)));
+    assert!(reads(Compute::F16, dims(4, k), &along_k(&wh[..], k)));
     // B that would need rounding: f32 for a half product, one half type for the other.
-    assert!(!reads(Compute::Bf16, dims(4, 64), &along_k(&w32[..])));
-    assert!(!reads(Compute::F16, dims(4, 64), &along_k(&w16[..])));
-    assert!(!reads(Compute::Bf16, dims(4, 64), &along_k(&wh[..])));
-    // Too many rows, too short a `k`, B along `n`.
-    assert!(!reads(Compute::F32, dims(MAX_ROWS_F32 + 1, 64), &along_k(&w32[..])));
-    assert!(!reads(Compute::Bf16, dims(MAX_ROWS + 1, 64), &along_k(&w16[..])));
-    assert!(!reads(Compute::F32, dims(4, MIN_K - 1), &along_k(&w32[..])));
-    assert!(!reads(Compute::F32, dims(4, 64), &MatRef::row_major(&w32[..], 64)));
+    assert!(!reads(Compute::Bf16, dims(4, k), &along_k(&w32[..], k)));
+    assert!(!reads(Compute::F16, dims(4, k), &along_k(&w16[..], k)));
+    assert!(!reads(Compute::Bf16, dims(4, k), &along_k(&wh[..], k)));
+    // Too many rows, B along `n`.
+    assert!(!reads(Compute::F32, dims(MAX_ROWS_F32 + 1, k), &along_k(&w32[..], k)));
+    assert!(!reads(Compute::Bf16, dims(MAX_ROWS + 1, k), &along_k(&w16[..], k)));
+    assert!(!reads(Compute::F32, dims(4, k), &MatRef::row_major(&w32[..], 64)));
+    // `k` of K_PER_ROW for each row.
+    for m in [1, 2, 4, 8] {
+        let (enough, short) = (K_PER_ROW * m, K_PER_ROW * m - 1);
+        assert!(reads(Compute::F32, dims(m, enough), &along_k(&w32[..], enough)), "{m} rows");
+        assert!(!reads(Compute::F32, dims(m, short), &along_k(&w32[..], short)), "{m} rows");
+    }
 }
