@@ -163,6 +163,11 @@ fn edge_cases(compute: Compute, out: Dtype, accumulate: bool) -> Vec<Case> {
         (1, 301, 257, 35),
         // More than one AMX k-block (1024 steps, 2048 `k`): C's tiles stored and loaded back between.
         (1, 33, 40, 2100),
+        // Few rows whose B the FMA paths read in place (`k` of 32 a row): every tile shape's edge, a
+        // `k` tail, a batch.
+        (1, 1, 50, 47),
+        (1, 5, 70, 200),
+        (2, 9, 33, 300),
     ];
     let mut cases = Vec::new();
     for (batch, m, n, k) in shapes {
