@@ -150,10 +150,21 @@ fn a_scaler_built_before_the_model_became_fp16_is_refused() -> amp::Result<()> {
     let expected = "the layer of `fc1.weight` computes in fp16";
     assert!(matches!(&err, Error::ScalerBuiltBeforeFp16 { found } if found == expected), "{err:?}");
 
-    // Built after `initialize`, the scaler is enabled and the step applies.
+    // Built after `initialize`, the scaler is enabled and steps apply. The first may overflow fp16 at
+    // the initial scale of 2^16 and be skipped, halving the scale (about one run in twenty, with the
+    // layers' random initial weights), as a dynamic scaler does.
     let mut scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
     assert!(scaler.is_enabled());
-    assert!(scaler.step_fused(&loss(&model)?, &mut optimizer, None)?.applied());
+    let mut reports = Vec::new();
+    while reports.len() < 4 {
+        let report = scaler.step_fused(&loss(&model)?, &mut optimizer, None)?;
+        let applied = report.applied();
+        reports.push(report);
+        if applied {
+            break;
+        }
+    }
+    assert!(reports.last().is_some_and(|r| r.applied()), "{reports:?}");
     Ok(())
 }
 
