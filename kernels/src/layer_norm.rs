@@ -12,6 +12,11 @@
 //! fixed order, and its loops are compiled for the widest vector extension the CPU has
 //! (`widest_vectors!`): every version computes the same bits. (Summed one element at a time, the f64
 //! statistics kept the loops scalar: forward 3x and backward 1.9x slower on a `(1024, 256)` matrix.)
+//!
+//! The same passes compute an RMS norm ([`crate::rms_norm`]) with the mean taken as zero
+//! ([`Statistics::MeanSquare`]). In f64 a square of any f32 cannot overflow, so a row of values beyond
+//! `sqrt(f32::MAX)` (about 1.8e19) is normalised as any other; summed in f32 its variance would be
+//! infinite and the row would come out as zeros.
 
 use half::bf16;
 use rayon::prelude::*;
@@ -23,11 +28,34 @@ use crate::{GradSlice, GradSliceMut};
 /// Rows per block of the work split.
 const ROWS_PER_BLOCK: usize = 32;
 
+/// What a row is normalised by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Statistics {
+    /// A layer norm's: the row's mean is subtracted and its biased variance divides.
+    MeanAndVariance,
+    /// An RMS norm's: nothing is subtracted (the mean is taken as zero) and the mean of the squares
+    /// divides.
+    MeanSquare,
+}
+
 /// The forward pass: `y` (`rows * d`) from `x` (f32, f16 or bf16, widened exactly).
 ///
 /// # Panics
 /// If a length does not match `rows` and `d`.
 pub fn forward(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>, eps: f32, y: &mut [f32]) {
+    forward_with(Statistics::MeanAndVariance, x, d, weight, bias, eps, y);
+}
+
+/// [`forward`] with the given statistics.
+pub(crate) fn forward_with(
+    statistics: Statistics,
+    x: GradSlice<'_>,
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    y: &mut [f32],
+) {
     assert_eq!(weight.len(), d, "layer_norm: weight length");
     assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
     assert_eq!(x.len(), y.len(), "layer_norm: x and y lengths");
@@ -36,7 +64,7 @@ pub fn forward(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>,
         return;
     }
     y.par_chunks_mut(d * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
-        forward_rows(x, d, weight, bias, eps, block * ROWS_PER_BLOCK, ys);
+        forward_rows(statistics, x, d, weight, bias, eps, block * ROWS_PER_BLOCK, ys);
     });
 }
 
@@ -50,6 +78,18 @@ fn assert_whole_rows(len: usize, d: usize) {
 /// # Panics
 /// As [`forward`].
 pub fn forward_new(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>, eps: f32) -> Vec<f32> {
+    forward_new_with(Statistics::MeanAndVariance, x, d, weight, bias, eps)
+}
+
+/// [`forward_new`] with the given statistics.
+pub(crate) fn forward_new_with(
+    statistics: Statistics,
+    x: GradSlice<'_>,
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+) -> Vec<f32> {
     assert_eq!(weight.len(), d, "layer_norm: weight length");
     assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
     assert_whole_rows(x.len(), d);
@@ -57,7 +97,7 @@ pub fn forward_new(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f3
         return vec![0.0; x.len()];
     }
     crate::fresh::written_in_blocks(x.len(), d * ROWS_PER_BLOCK, |start, ys| {
-        forward_rows(x, d, weight, bias, eps, start / d, ys);
+        forward_rows(statistics, x, d, weight, bias, eps, start / d, ys);
     })
 }
 
@@ -75,14 +115,28 @@ pub fn forward_into(
     eps: f32,
     y: GradSliceMut<'_>,
 ) {
+    forward_into_with(Statistics::MeanAndVariance, x, d, weight, bias, eps, y);
+}
+
+/// [`forward_into`] with the given statistics.
+pub(crate) fn forward_into_with(
+    statistics: Statistics,
+    x: GradSlice<'_>,
+    d: usize,
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    y: GradSliceMut<'_>,
+) {
     match y {
-        GradSliceMut::F32(y) => forward(x, d, weight, bias, eps, y),
-        GradSliceMut::F16(y) => forward_rounded(x, d, weight, bias, eps, y),
-        GradSliceMut::Bf16(y) => forward_rounded(x, d, weight, bias, eps, y),
+        GradSliceMut::F32(y) => forward_with(statistics, x, d, weight, bias, eps, y),
+        GradSliceMut::F16(y) => forward_rounded(statistics, x, d, weight, bias, eps, y),
+        GradSliceMut::Bf16(y) => forward_rounded(statistics, x, d, weight, bias, eps, y),
     }
 }
 
 fn forward_rounded<T: Float>(
+    statistics: Statistics,
     x: GradSlice<'_>,
     d: usize,
     weight: &[f32],
@@ -101,14 +155,16 @@ fn forward_rounded<T: Float>(
         let (mut row, mut out) = (vec![0f32; d], vec![0f32; d]);
         for (i, y) in ys.chunks_exact_mut(d).enumerate() {
             let at = (block * ROWS_PER_BLOCK + i) * d;
-            forward_row(widen_row(x, at, &mut row), weight, bias, eps, &mut out);
+            forward_row(statistics, widen_row(x, at, &mut row), weight, bias, eps, &mut out);
             T::narrow(&out, y);
         }
     });
 }
 
 /// Rows `first..` of the forward pass into `ys` (whole rows).
+#[allow(clippy::too_many_arguments)]
 fn forward_rows(
+    statistics: Statistics,
     x: GradSlice<'_>,
     d: usize,
     weight: &[f32],
@@ -119,18 +175,25 @@ fn forward_rows(
 ) {
     let mut row = vec![0f32; d];
     for (i, y) in ys.chunks_exact_mut(d).enumerate() {
-        forward_row(widen_row(x, (first + i) * d, &mut row), weight, bias, eps, y);
+        forward_row(statistics, widen_row(x, (first + i) * d, &mut row), weight, bias, eps, y);
     }
 }
 
 widest_vectors! {
     /// One row of the forward pass.
-    fn forward_row(row: &[f32], weight: &[f32], bias: Option<&[f32]>, eps: f32, y: &mut [f32]) => forward_row_any;
+    fn forward_row(statistics: Statistics, row: &[f32], weight: &[f32], bias: Option<&[f32]>, eps: f32, y: &mut [f32]) => forward_row_any;
 }
 
 #[inline(always)]
-fn forward_row_any(row: &[f32], weight: &[f32], bias: Option<&[f32]>, eps: f32, y: &mut [f32]) {
-    let (mean, rstd) = stats(row, eps);
+fn forward_row_any(
+    statistics: Statistics,
+    row: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    eps: f32,
+    y: &mut [f32],
+) {
+    let (mean, rstd) = stats(statistics, row, eps);
     let d = row.len();
     let (weight, y) = (&weight[..d], &mut y[..d]);
     match bias {
@@ -164,6 +227,22 @@ pub fn backward(
     dweight: &mut [f32],
     dbias: &mut [f32],
 ) {
+    backward_with(Statistics::MeanAndVariance, x, dy, d, weight, eps, dx, dweight, dbias);
+}
+
+/// [`backward`] with the given statistics.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_with(
+    statistics: Statistics,
+    x: GradSlice<'_>,
+    dy: GradSlice<'_>,
+    d: usize,
+    weight: &[f32],
+    eps: f32,
+    dx: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+) {
     assert_eq!(weight.len(), d, "layer_norm: weight length");
     assert_eq!((dweight.len(), dbias.len()), (d, d), "layer_norm: gradient lengths");
     assert_eq!((x.len(), dy.len()), (dx.len(), dx.len()), "layer_norm: x, dy and dx lengths");
@@ -184,6 +263,7 @@ pub fn backward(
             for (i, dx) in dxs.chunks_exact_mut(d).enumerate() {
                 let at = (first + i) * d;
                 backward_row(
+                    statistics,
                     widen_row(x, at, &mut row),
                     widen_row(dy, at, &mut grad),
                     weight,
@@ -208,16 +288,24 @@ pub fn backward(
 widest_vectors! {
     /// One row of the backward pass: its `dx`, and its terms added to the block's weight and bias
     /// gradients (`sums`: `d` of each).
-    fn backward_row(row: &[f32], grad: &[f32], weight: &[f32], eps: f32, dx: &mut [f32], sums: &mut [f32]) => backward_row_any;
+    fn backward_row(statistics: Statistics, row: &[f32], grad: &[f32], weight: &[f32], eps: f32, dx: &mut [f32], sums: &mut [f32]) => backward_row_any;
 }
 
 #[inline(always)]
-fn backward_row_any(row: &[f32], grad: &[f32], weight: &[f32], eps: f32, dx: &mut [f32], sums: &mut [f32]) {
+fn backward_row_any(
+    statistics: Statistics,
+    row: &[f32],
+    grad: &[f32],
+    weight: &[f32],
+    eps: f32,
+    dx: &mut [f32],
+    sums: &mut [f32],
+) {
     let d = row.len();
     let (grad, weight, dx) = (&grad[..d], &weight[..d], &mut dx[..d]);
     let (dweight, dbias) = sums.split_at_mut(d);
     let (dweight, dbias) = (&mut dweight[..d], &mut dbias[..d]);
-    let (mean, rstd) = stats(row, eps);
+    let (mean, rstd) = stats(statistics, row, eps);
     // dx first holds g * xhat, to be summed.
     for j in 0..d {
         let xhat = (row[j] - mean) * rstd;
@@ -225,7 +313,11 @@ fn backward_row_any(row: &[f32], grad: &[f32], weight: &[f32], eps: f32, dx: &mu
         dbias[j] += grad[j];
         dx[j] = grad[j] * weight[j] * xhat;
     }
-    let sum_g = lane_sum(grad, weight, |g, w| f64::from(g * w));
+    // Without a mean subtracted in the forward pass, no mean of `g` is subtracted here.
+    let sum_g = match statistics {
+        Statistics::MeanAndVariance => lane_sum(grad, weight, |g, w| f64::from(g * w)),
+        Statistics::MeanSquare => 0.0,
+    };
     let sum_gx = lane_sum(dx, dx, |gx, _| f64::from(gx));
     let (mean_g, mean_gx) = ((sum_g / d as f64) as f32, (sum_gx / d as f64) as f32);
     for j in 0..d {
@@ -248,12 +340,15 @@ fn widen_row<'a>(x: GradSlice<'a>, at: usize, buffer: &'a mut [f32]) -> &'a [f32
     buffer
 }
 
-/// A row's mean and `1 / sqrt(var + eps)`, accumulated in f64 (two passes: the variance of the
-/// centred values).
+/// A row's mean (zero for [`Statistics::MeanSquare`]) and `1 / sqrt(var + eps)`, with `var` the mean
+/// square of the values less the mean, accumulated in f64 (two passes for a layer norm).
 #[inline(always)]
-fn stats(row: &[f32], eps: f32) -> (f32, f32) {
+fn stats(statistics: Statistics, row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len();
-    let mean = lane_sum(row, row, |x, _| f64::from(x)) / n as f64;
+    let mean = match statistics {
+        Statistics::MeanAndVariance => lane_sum(row, row, |x, _| f64::from(x)) / n as f64,
+        Statistics::MeanSquare => 0.0,
+    };
     let var = lane_sum(row, row, |x, _| {
         let centred = f64::from(x) - mean;
         centred * centred

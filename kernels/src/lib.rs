@@ -76,6 +76,7 @@ mod portable;
 pub mod reduce;
 pub mod reference;
 pub mod relu;
+pub mod rms_norm;
 pub mod scale;
 #[cfg(target_arch = "x86_64")]
 mod simd;

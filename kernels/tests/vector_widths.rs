@@ -8,7 +8,7 @@
 
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use amp_kernels::softmax::{self, Mask};
-use amp_kernels::{gelu, layer_norm, reduce, relu, vectorise, GradSlice, GradSliceMut, Isa};
+use amp_kernels::{gelu, layer_norm, reduce, relu, rms_norm, vectorise, GradSlice, GradSliceMut, Isa};
 use half::{bf16, f16};
 
 fn values(n: usize, seed: usize) -> Vec<f32> {
@@ -89,6 +89,11 @@ fn outputs() -> Vec<Vec<u32>> {
     let (mut dln, mut dw, mut db) = (vec![0f32; x.len()], vec![0f32; cols], vec![0f32; cols]);
     layer_norm::backward(GradSlice::F32(&x), GradSlice::F32(&dy), cols, &w, 1e-5, &mut dln, &mut dw, &mut db);
     out.push([&ln, &ln_free, &dln, &dw, &db].into_iter().flatten().map(|v| v.to_bits()).collect());
+    // RMS norm, forward and backward (the layer norm's passes without a mean).
+    let rms = rms_norm::forward_new(GradSlice::Bf16(&xb), cols, &w, 1e-5);
+    let (mut drms, mut drw) = (vec![0f32; x.len()], vec![0f32; cols]);
+    rms_norm::backward(GradSlice::F32(&x), GradSlice::F32(&dy), cols, &w, 1e-5, &mut drms, &mut drw);
+    out.push([&rms, &drms, &drw].into_iter().flatten().map(|v| v.to_bits()).collect());
     out
 }
 

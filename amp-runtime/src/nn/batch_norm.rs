@@ -122,7 +122,10 @@ impl BatchNorm {
 
     /// Normalises with the batch statistics and updates the running ones. Works on the `(channels,
     /// rest)` view, so each channel's statistics are contiguous reductions (candle-nn's layout, which
-    /// makes the f32 results bit-identical to `candle_nn::BatchNorm`'s).
+    /// makes the running statistics bit-identical to `candle_nn::BatchNorm`'s). On the CPU each channel
+    /// is a row of the fused layer norm (RMS norm without the mean): one pass each way, f64 statistics,
+    /// so channels beyond 1.8e19, whose f32 squares overflow, are normalised too (their running
+    /// variance, an f32 past `f32::MAX`, is then not updated).
     fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
         let channel_major = x.transpose(0, 1)?;
         let transposed_dims = channel_major.dims().to_vec();
@@ -131,21 +134,37 @@ impl BatchNorm {
         if count < 2 {
             candle_core::bail!("batch-norm: training needs more than one value per channel, got {count}");
         }
-        let momentum = self.config.momentum;
-        let (x, batch_mean) = if self.config.remove_mean {
-            let mean = x.mean_keepdim(1)?;
-            let batch_mean = (mean.detach().flatten_all()? * momentum)?;
-            (x.broadcast_sub(&mean)?, Some(batch_mean))
-        } else {
-            (x, None)
+        let unit_weight = Tensor::ones(count, DType::F32, x.device())?;
+        let eps = self.config.eps;
+        let fused = match self.config.remove_mean {
+            true => crate::ops::layer_norm(&x, &unit_weight, None, eps)?,
+            false => crate::ops::rms_norm(&x, &unit_weight, eps)?,
         };
-        let var = x.sqr()?.mean_keepdim(1)?;
+        // With the fused op the statistics are for the running ones only: no graph.
+        let momentum = self.config.momentum;
+        let (centred, batch_mean) = match (&fused, self.config.remove_mean) {
+            (Some(_), true) => Self::centre(&x.detach())?,
+            (None, true) => Self::centre(&x)?,
+            (Some(_), false) => (x.detach(), None),
+            (None, false) => (x, None),
+        };
+        let var = centred.sqr()?.mean_keepdim(1)?;
+        let batch_mean = batch_mean.map(|mean| mean.detach().flatten_all()? * momentum).transpose()?;
         // The unbiased variance, with Bessel's factor folded into the momentum weight.
         let unbiased = (var.detach().flatten_all()? * (momentum * count as f64 / (count - 1) as f64))?;
         self.update_running_statistics(batch_mean.as_ref(), &unbiased, momentum)?;
-        let normed = x.broadcast_div(&(var + self.config.eps)?.sqrt()?)?;
+        let normed = match fused {
+            Some(normed) => normed,
+            None => centred.broadcast_div(&(var + eps)?.sqrt()?)?,
+        };
         let y = self.affine(normed, &[transposed_dims[0], 1])?;
         y.reshape(transposed_dims)?.transpose(0, 1)
+    }
+
+    /// `x` less each row's mean, and the means, `(rows, 1)`.
+    fn centre(x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        let mean = x.mean_keepdim(1)?;
+        Ok((x.broadcast_sub(&mean)?, Some(mean)))
     }
 
     /// Folds a batch's (momentum-weighted) statistics into the running ones, unless one of them is not

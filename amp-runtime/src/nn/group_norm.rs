@@ -3,8 +3,11 @@
 //! `y = (x - mean_g) / sqrt(var_g + eps) * weight[c] + bias[c]`.
 //!
 //! Shapes: `x` is `(batch, channels, ..)` with at least one dimension after the channels; `weight` and
-//! `bias` are `(channels)`. Written with differentiable candle ops in f32 whatever the input dtype: a
-//! group's variance of fp16 activations of a few hundred already overflows 65504 when squared in fp16.
+//! `bias` are `(channels)`. Computed in f32 whatever the input dtype: a group's variance of fp16
+//! activations of a few hundred already overflows 65504 when squared in fp16. On the CPU each group is
+//! a row of the fused layer norm ([`crate::ops`]: one pass each way, f64 statistics, so groups beyond
+//! 1.8e19, whose f32 squares overflow, are normalised too), then scaled and shifted per channel;
+//! elsewhere differentiable candle ops.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
@@ -67,18 +70,31 @@ impl Module for GroupNorm {
         if xs.rank() < 3 || xs.dim(1)? != channels {
             candle_core::bail!("group-norm: input {:?} needs rank >= 3 and {channels} channels", xs.shape());
         }
-        let batch = xs.dim(0)?;
-        let x = xs.to_dtype(DType::F32)?.reshape((batch, self.groups, ()))?;
-        let size = x.dim(2)? as f64;
-        let centered = x.broadcast_sub(&(x.sum_keepdim(2)? / size)?)?;
-        let variance = (centered.sqr()?.sum_keepdim(2)? / size)?;
-        let normed = centered.broadcast_div(&(variance + self.eps)?.sqrt()?)?.reshape(xs.shape())?;
+        let normed = self.normalise_groups(xs)?.reshape(xs.shape())?;
         let mut shape = vec![1; xs.rank()];
         shape[1] = channels;
         let weight = self.weight.in_precision(Precision::Fp32)?.reshape(shape.as_slice())?;
         let bias = self.bias.in_precision(Precision::Fp32)?.reshape(shape)?;
         let y = normed.broadcast_mul(&weight)?.broadcast_add(&bias)?;
         super::cast_output(y, self.precision, xs.dtype())
+    }
+}
+
+impl GroupNorm {
+    /// Each sample's groups normalised by their own statistics, f32, `(batch, groups, size)` or
+    /// `(batch * groups, size)`.
+    fn normalise_groups(&self, xs: &Tensor) -> Result<Tensor> {
+        let batch = xs.dim(0)?;
+        let rows = xs.reshape((batch * self.groups, ()))?;
+        let unit_weight = Tensor::ones(rows.dim(1)?, DType::F32, xs.device())?;
+        if let Some(normed) = crate::ops::layer_norm(&rows, &unit_weight, None, self.eps)? {
+            return Ok(normed);
+        }
+        let x = xs.to_dtype(DType::F32)?.reshape((batch, self.groups, ()))?;
+        let size = x.dim(2)? as f64;
+        let centered = x.broadcast_sub(&(x.sum_keepdim(2)? / size)?)?;
+        let variance = (centered.sqr()?.sum_keepdim(2)? / size)?;
+        centered.broadcast_div(&(variance + self.eps)?.sqrt()?)
     }
 }
 

@@ -1,8 +1,10 @@
-//! Root-mean-square normalisation over the last dimension, statistics in fp32:
+//! Root-mean-square normalisation over the last dimension, in fp32:
 //! `y = x / sqrt(mean(x^2) + eps) * weight`.
 //!
-//! Differentiable in every dtype (candle-nn's fused `rms_norm` has no backward); the mean of squares runs
-//! in f32, where fp16 would overflow for |x| > 256.
+//! On the CPU one op computes it, forward and backward ([`crate::ops`]' fused row norm: one pass each,
+//! the mean of squares in f64, so rows beyond 1.8e19, whose f32 squares overflow, are normalised too);
+//! elsewhere differentiable candle ops in f32, so it has a backward in every dtype (candle-nn's fused
+//! `rms_norm` has none). Never in half precision: the squares overflow fp16 for |x| > 256.
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{init, VarBuilder};
@@ -38,10 +40,14 @@ impl RmsNorm {
 
 impl Module for RmsNorm {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.in_precision(Precision::Fp32)?;
+        if let Some(y) = crate::ops::rms_norm(xs, &weight, self.eps)? {
+            return super::cast_output(y, self.precision, xs.dtype());
+        }
         let x = xs.to_dtype(DType::F32)?;
         let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = x.broadcast_div(&(mean_square + self.eps)?.sqrt()?)?;
-        let y = normed.broadcast_mul(&self.weight.in_precision(Precision::Fp32)?)?;
+        let y = normed.broadcast_mul(&weight)?;
         super::cast_output(y, self.precision, xs.dtype())
     }
 }

@@ -1,5 +1,6 @@
 //! Layer normalisation as one candle op on the CPU: forward in one pass, backward in one pass that
-//! returns all three gradients ([`amp_kernels::layer_norm`]), in f32 with f64 row statistics.
+//! returns all three gradients ([`amp_kernels::layer_norm`]), in f32 with f64 row statistics. RMS
+//! normalisation is the same op without the mean ([`amp_kernels::rms_norm`]).
 //!
 //! Written with candle's tensor ops, a layer norm is ten ops forward and about twenty backward, each a
 //! pass over the activations with a fresh buffer, and candle's backward adds every gradient into a
@@ -18,16 +19,33 @@ pub(crate) fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Option<Tensor>> {
-    let Some((weight, bias, has_bias)) = operands(x, weight, bias)? else { return Ok(None) };
+    row_norm(RowNorm::Layer, x, weight, bias, eps)
+}
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension, in f32 (`x` of any float dtype, widened
+/// exactly; `weight` an f32 vector), or `None` off the CPU.
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Option<Tensor>> {
+    row_norm(RowNorm::Rms, x, weight, None, eps)
+}
+
+fn row_norm(
+    norm: RowNorm,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<Option<Tensor>> {
+    let Some((weight, bias, has_bias)) = operands(norm.name(), x, weight, bias)? else { return Ok(None) };
     // The op folds x's leading dimensions into rows itself: a reshape each way would be two more graph
     // nodes, each a zero-filled sum of its size in candle's backward pass.
-    Ok(Some(x.contiguous()?.apply_op3(&weight, &bias, LayerNormOp { eps: eps as f32, has_bias })?))
+    Ok(Some(x.contiguous()?.apply_op3(&weight, &bias, LayerNormOp { norm, eps: eps as f32, has_bias })?))
 }
 
 /// The weight and the bias (zeros, untracked, where there is none) as the op takes them, and whether
 /// there is a bias; `None` off the CPU or for an `x` that is not f32, f16 or bf16. Refuses a weight or
-/// bias of another length than x's features.
+/// bias of another length than x's features, naming the norm as `what`.
 pub(super) fn operands(
+    what: &str,
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
@@ -36,12 +54,12 @@ pub(super) fn operands(
         return Ok(None);
     }
     let Some(&features) = x.dims().last() else {
-        candle_core::bail!("layer_norm: x has no dimensions");
+        candle_core::bail!("{what}: x has no dimensions");
     };
     for (name, t) in [("weight", Some(weight)), ("bias", bias)] {
         if let Some(t) = t.filter(|t| t.dims() != [features]) {
             candle_core::bail!(
-                "layer_norm: the input has {features} features (its last dimension) but the {name} has \
+                "{what}: the input has {features} features (its last dimension) but the {name} has \
                  shape {:?}: give the input shape (.., {}), or build the layer for {features} features",
                 t.dims(),
                 t.dims().first().copied().unwrap_or(1)
@@ -62,16 +80,38 @@ fn rows(layout: &Layout) -> (usize, usize) {
     (super::rows_before_last(layout.dims()), d)
 }
 
+/// Which normalisation an op computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RowNorm {
+    /// The row's mean subtracted, its variance dividing ([`amp_kernels::layer_norm`]).
+    Layer,
+    /// Its mean square dividing ([`amp_kernels::rms_norm`]); never with a bias.
+    Rms,
+}
+
+impl RowNorm {
+    /// The name errors give it.
+    fn name(self) -> &'static str {
+        match self {
+            RowNorm::Layer => "layer_norm",
+            RowNorm::Rms => "rms_norm",
+        }
+    }
+}
+
 /// The forward op: `(x, weight, bias) -> y`.
 #[derive(Clone, Copy, Debug)]
 struct LayerNormOp {
+    norm: RowNorm,
     eps: f32,
     has_bias: bool,
 }
 
-/// The backward op: `(x, weight, dy) -> [dx; dweight; dbias]`, one `(rows + 2, d)` f32 matrix.
+/// The backward op: `(x, weight, dy) -> [dx; dweight; dbias]`, one `(rows + 2, d)` f32 matrix (`dbias`
+/// zeros for an RMS norm).
 #[derive(Clone, Copy, Debug)]
 struct LayerNormBackward {
+    norm: RowNorm,
     eps: f32,
 }
 
@@ -110,7 +150,10 @@ fn vector<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
 
 impl CustomOp3 for LayerNormOp {
     fn name(&self) -> &'static str {
-        "amp-layer-norm"
+        match self.norm {
+            RowNorm::Layer => "amp-layer-norm",
+            RowNorm::Rms => "amp-rms-norm",
+        }
     }
 
     fn cpu_fwd(
@@ -123,7 +166,10 @@ impl CustomOp3 for LayerNormOp {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let Inputs { d, x, weight, bias, .. } = inputs((s1, l1), (s2, l2), (s3, l3), self.has_bias)?;
-        let y = amp_kernels::layer_norm::forward_new(x, d, weight, bias, self.eps);
+        let y = match self.norm {
+            RowNorm::Layer => amp_kernels::layer_norm::forward_new(x, d, weight, bias, self.eps),
+            RowNorm::Rms => amp_kernels::rms_norm::forward_new(x, d, weight, self.eps),
+        };
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
@@ -135,7 +181,8 @@ impl CustomOp3 for LayerNormOp {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dweight, dbias) = gradients(x, weight, grad, self.eps)?;
+        let backward = LayerNormBackward { norm: self.norm, eps: self.eps };
+        let (dx, dweight, dbias) = backward.gradients(x, weight, grad)?;
         Ok((Some(dx), Some(dweight), self.has_bias.then_some(dbias)))
     }
 }
@@ -148,15 +195,25 @@ pub(super) fn gradients(
     grad: &Tensor,
     eps: f32,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (rows, _) = rows(x.layout());
-    let all = x.apply_op3_no_bwd(weight, &grad.contiguous()?, &LayerNormBackward { eps })?;
-    let dx = all.narrow(0, 0, rows)?.reshape(x.dims())?.to_dtype(x.dtype())?;
-    Ok((dx, all.get(rows)?, all.get(rows + 1)?))
+    LayerNormBackward { norm: RowNorm::Layer, eps }.gradients(x, weight, grad)
+}
+
+impl LayerNormBackward {
+    /// The gradients of x (in x's dtype), the weight and the bias from the output's gradient `grad`.
+    fn gradients(self, x: &Tensor, weight: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (rows, _) = rows(x.layout());
+        let all = x.apply_op3_no_bwd(weight, &grad.contiguous()?, &self)?;
+        let dx = all.narrow(0, 0, rows)?.reshape(x.dims())?.to_dtype(x.dtype())?;
+        Ok((dx, all.get(rows)?, all.get(rows + 1)?))
+    }
 }
 
 impl CustomOp3 for LayerNormBackward {
     fn name(&self) -> &'static str {
-        "amp-layer-norm-backward"
+        match self.norm {
+            RowNorm::Layer => "amp-layer-norm-backward",
+            RowNorm::Rms => "amp-rms-norm-backward",
+        }
     }
 
     fn cpu_fwd(
@@ -173,7 +230,12 @@ impl CustomOp3 for LayerNormBackward {
         let mut all = vec![0f32; (rows + 2) * d];
         let (dx, sums) = all.split_at_mut(rows * d);
         let (dweight, dbias) = sums.split_at_mut(d);
-        amp_kernels::layer_norm::backward(x, dy, d, weight, self.eps, dx, dweight, dbias);
+        match self.norm {
+            RowNorm::Layer => {
+                amp_kernels::layer_norm::backward(x, dy, d, weight, self.eps, dx, dweight, dbias)
+            }
+            RowNorm::Rms => amp_kernels::rms_norm::backward(x, dy, d, weight, self.eps, dx, dweight),
+        }
         Ok((CpuStorage::F32(all), (rows + 2, d).into()))
     }
 }

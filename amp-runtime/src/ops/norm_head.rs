@@ -88,7 +88,9 @@ pub(super) fn lock(link: &Mutex<Link>) -> Result<MutexGuard<'_, Link>> {
 /// not run (off the CPU, an `x` that is not f32, f16 or bf16). Refuses a weight or bias of another
 /// length than x's features.
 pub(super) fn normed(x: &Tensor, norm: &Norm<'_>, kept: Dtype, link: SharedLink) -> Result<Option<Tensor>> {
-    let Some((weight, bias, has_bias)) = operands(x, norm.weight, norm.bias)? else { return Ok(None) };
+    let Some((weight, bias, has_bias)) = operands("layer_norm", x, norm.weight, norm.bias)? else {
+        return Ok(None);
+    };
     let x = x.contiguous()?;
     if norm.residual {
         lock(&link)?.residual = Some(x.clone());
