@@ -57,6 +57,7 @@ pub mod vectorise;
 mod amx;
 mod backend;
 mod branchless;
+pub mod channel_affine;
 pub mod clip;
 pub mod conv;
 pub mod convert;

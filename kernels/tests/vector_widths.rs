@@ -8,7 +8,9 @@
 
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use amp_kernels::softmax::{self, Mask};
-use amp_kernels::{gelu, layer_norm, reduce, relu, rms_norm, vectorise, GradSlice, GradSliceMut, Isa};
+use amp_kernels::{
+    channel_affine, gelu, layer_norm, reduce, relu, rms_norm, vectorise, GradSlice, GradSliceMut, Isa,
+};
 use half::{bf16, f16};
 
 fn values(n: usize, seed: usize) -> Vec<f32> {
@@ -94,6 +96,13 @@ fn outputs() -> Vec<Vec<u32>> {
     let (mut drms, mut drw) = (vec![0f32; x.len()], vec![0f32; cols]);
     rms_norm::backward(GradSlice::F32(&x), GradSlice::F32(&dy), cols, &w, 1e-5, &mut drms, &mut drw);
     out.push([&rms, &drms, &drw].into_iter().flatten().map(|v| v.to_bits()).collect());
+    // A per-channel affine over the rows as channels of 301 values (not a multiple of a lane).
+    let planes = channel_affine::Planes { channels: 7, inner: cols };
+    let (cw, cb) = (values(7, 7), values(7, 8));
+    let affine = channel_affine::forward_new(&x[..7 * cols], planes, &cw, &cb);
+    let (mut dca, mut dcw, mut dcb) = (vec![0f32; 7 * cols], vec![0f32; 7], vec![0f32; 7]);
+    channel_affine::backward(&x[..7 * cols], &dy[..7 * cols], planes, &cw, &mut dca, &mut dcw, &mut dcb);
+    out.push([&affine, &dca, &dcw, &dcb].into_iter().flatten().map(|v| v.to_bits()).collect());
     out
 }
 

@@ -157,7 +157,7 @@ impl BatchNorm {
             Some(normed) => normed,
             None => centred.broadcast_div(&(var + eps)?.sqrt()?)?,
         };
-        let y = self.affine(normed, &[transposed_dims[0], 1])?;
+        let y = self.affine(normed, 0)?;
         y.reshape(transposed_dims)?.transpose(0, 1)
     }
 
@@ -201,14 +201,20 @@ impl BatchNorm {
         let mean = self.running_mean.as_detached_tensor().reshape(stat_shape)?;
         let std = (self.running_var.as_detached_tensor().reshape(stat_shape)? + self.config.eps)?.sqrt()?;
         let centered = if self.config.remove_mean { x.broadcast_sub(&mean)? } else { x.clone() };
-        self.affine(centered.broadcast_div(&std)?, stat_shape)
+        self.affine(centered.broadcast_div(&std)?, 1)
     }
 
-    fn affine(&self, normed: Tensor, stat_shape: &[usize]) -> Result<Tensor> {
+    /// `normed * weight[c] + bias[c]` when affine, with the channels `c` on dimension `channel_dim`.
+    fn affine(&self, normed: Tensor, channel_dim: usize) -> Result<Tensor> {
         let Some((weight, bias)) = &self.weight_and_bias else { return Ok(normed) };
-        let weight = weight.in_precision(Precision::Fp32)?.reshape(stat_shape)?;
-        let bias = bias.in_precision(Precision::Fp32)?.reshape(stat_shape)?;
-        normed.broadcast_mul(&weight)?.broadcast_add(&bias)
+        let (weight, bias) = (weight.in_precision(Precision::Fp32)?, bias.in_precision(Precision::Fp32)?);
+        if let Some(y) = crate::ops::channel_affine(&normed, channel_dim, &weight, &bias)? {
+            return Ok(y);
+        }
+        let mut stat_shape = vec![1; normed.rank()];
+        stat_shape[channel_dim] = weight.elem_count();
+        let stat_shape = stat_shape.as_slice();
+        normed.broadcast_mul(&weight.reshape(stat_shape)?)?.broadcast_add(&bias.reshape(stat_shape)?)
     }
 }
 

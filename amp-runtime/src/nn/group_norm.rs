@@ -6,8 +6,8 @@
 //! `bias` are `(channels)`. Computed in f32 whatever the input dtype: a group's variance of fp16
 //! activations of a few hundred already overflows 65504 when squared in fp16. On the CPU each group is
 //! a row of the fused layer norm ([`crate::ops`]: one pass each way, f64 statistics, so groups beyond
-//! 1.8e19, whose f32 squares overflow, are normalised too), then scaled and shifted per channel;
-//! elsewhere differentiable candle ops.
+//! 1.8e19, whose f32 squares overflow, are normalised too), then scaled and shifted per channel by one
+//! more op (one pass each way); elsewhere differentiable candle ops.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, VarBuilder};
@@ -71,11 +71,17 @@ impl Module for GroupNorm {
             candle_core::bail!("group-norm: input {:?} needs rank >= 3 and {channels} channels", xs.shape());
         }
         let normed = self.normalise_groups(xs)?.reshape(xs.shape())?;
-        let mut shape = vec![1; xs.rank()];
-        shape[1] = channels;
-        let weight = self.weight.in_precision(Precision::Fp32)?.reshape(shape.as_slice())?;
-        let bias = self.bias.in_precision(Precision::Fp32)?.reshape(shape)?;
-        let y = normed.broadcast_mul(&weight)?.broadcast_add(&bias)?;
+        let weight = self.weight.in_precision(Precision::Fp32)?;
+        let bias = self.bias.in_precision(Precision::Fp32)?;
+        let y = match crate::ops::channel_affine(&normed, 1, &weight, &bias)? {
+            Some(y) => y,
+            None => {
+                let mut shape = vec![1; xs.rank()];
+                shape[1] = channels;
+                let (weight, bias) = (weight.reshape(shape.as_slice())?, bias.reshape(shape)?);
+                normed.broadcast_mul(&weight)?.broadcast_add(&bias)?
+            }
+        };
         super::cast_output(y, self.precision, xs.dtype())
     }
 }

@@ -29,6 +29,7 @@
 
 mod attention;
 mod buffer;
+mod channel_affine;
 mod column_sums;
 mod conv;
 mod elementwise;
@@ -51,6 +52,7 @@ mod working_values;
 
 pub(crate) use attention::attention_of_heads;
 pub use attention::scaled_dot_product_attention;
+pub(crate) use channel_affine::channel_affine;
 pub(crate) use conv::{conv2d, ConvParams};
 pub(crate) use embedding::embedding;
 pub use fp32::{
