@@ -4,9 +4,9 @@
 //!
 //! Backward: `dx = dy * weight[c]`, `dweight[c] = sum of dy * x`, `dbias[c] = sum of dy` over the
 //! channel's `outer * inner` values. Each plane (one `outer` index, one channel: `inner` contiguous
-//! values) sums its terms in f64 lanes ([`crate::lanes`]); the planes of a channel are added in `outer`
-//! order and rounded to f32 once. Every result is therefore deterministic, independent of the thread
-//! count and the same bits on every vector width.
+//! values) sums its terms in eight f64 lanes added in a fixed order, as the row norms do; the planes of
+//! a channel are added in `outer` order and rounded to f32 once. Every result is therefore
+//! deterministic, independent of the thread count and the same bits on every vector width.
 //!
 //! The forward pass rounds `x * weight[c]` before adding `bias[c]` (no fused multiply-add), as a
 //! multiply then an add of tensors does: candle-nn's norms compute those same bits.

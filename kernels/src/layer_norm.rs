@@ -14,7 +14,7 @@
 //! statistics kept the loops scalar: forward 3x and backward 1.9x slower on a `(1024, 256)` matrix.)
 //!
 //! The same passes compute an RMS norm ([`crate::rms_norm`]) with the mean taken as zero
-//! ([`Statistics::MeanSquare`]). In f64 a square of any f32 cannot overflow, so a row of values beyond
+//! (`Statistics::MeanSquare`). In f64 a square of any f32 cannot overflow, so a row of values beyond
 //! `sqrt(f32::MAX)` (about 1.8e19) is normalised as any other; summed in f32 its variance would be
 //! infinite and the row would come out as zeros.
 
