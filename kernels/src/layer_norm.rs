@@ -43,34 +43,7 @@ pub(crate) enum Statistics {
 /// # Panics
 /// If a length does not match `rows` and `d`.
 pub fn forward(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>, eps: f32, y: &mut [f32]) {
-    forward_with(Statistics::MeanAndVariance, x, d, weight, bias, eps, y);
-}
-
-/// [`forward`] with the given statistics.
-pub(crate) fn forward_with(
-    statistics: Statistics,
-    x: GradSlice<'_>,
-    d: usize,
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    eps: f32,
-    y: &mut [f32],
-) {
-    assert_eq!(weight.len(), d, "layer_norm: weight length");
-    assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
-    assert_eq!(x.len(), y.len(), "layer_norm: x and y lengths");
-    assert_whole_rows(x.len(), d);
-    if d == 0 {
-        return;
-    }
-    y.par_chunks_mut(d * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
-        forward_rows(statistics, x, d, weight, bias, eps, block * ROWS_PER_BLOCK, ys);
-    });
-}
-
-/// Panics unless `len` is whole rows of `d` (a partial last row would be left out without a word).
-fn assert_whole_rows(len: usize, d: usize) {
-    assert!(d == 0 || len.is_multiple_of(d), "layer_norm: a length of {len} is not whole rows of {d}");
+    Rows::new(Statistics::MeanAndVariance, d, weight, bias, eps).forward(x, y);
 }
 
 /// [`forward`] into a new vector, written block by block in parallel ([`crate::fresh`]).
@@ -78,27 +51,7 @@ fn assert_whole_rows(len: usize, d: usize) {
 /// # Panics
 /// As [`forward`].
 pub fn forward_new(x: GradSlice<'_>, d: usize, weight: &[f32], bias: Option<&[f32]>, eps: f32) -> Vec<f32> {
-    forward_new_with(Statistics::MeanAndVariance, x, d, weight, bias, eps)
-}
-
-/// [`forward_new`] with the given statistics.
-pub(crate) fn forward_new_with(
-    statistics: Statistics,
-    x: GradSlice<'_>,
-    d: usize,
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    eps: f32,
-) -> Vec<f32> {
-    assert_eq!(weight.len(), d, "layer_norm: weight length");
-    assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
-    assert_whole_rows(x.len(), d);
-    if d == 0 {
-        return vec![0.0; x.len()];
-    }
-    crate::fresh::written_in_blocks(x.len(), d * ROWS_PER_BLOCK, |start, ys| {
-        forward_rows(statistics, x, d, weight, bias, eps, start / d, ys);
-    })
+    Rows::new(Statistics::MeanAndVariance, d, weight, bias, eps).forward_new(x)
 }
 
 /// The forward pass into `y` of any of f32, f16 and bf16: each row computed in f32 as [`forward`]
@@ -115,67 +68,160 @@ pub fn forward_into(
     eps: f32,
     y: GradSliceMut<'_>,
 ) {
-    forward_into_with(Statistics::MeanAndVariance, x, d, weight, bias, eps, y);
+    Rows::new(Statistics::MeanAndVariance, d, weight, bias, eps).forward_into(x, y);
 }
 
-/// [`forward_into`] with the given statistics.
-pub(crate) fn forward_into_with(
-    statistics: Statistics,
-    x: GradSlice<'_>,
-    d: usize,
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    eps: f32,
-    y: GradSliceMut<'_>,
-) {
-    match y {
-        GradSliceMut::F32(y) => forward_with(statistics, x, d, weight, bias, eps, y),
-        GradSliceMut::F16(y) => forward_rounded(statistics, x, d, weight, bias, eps, y),
-        GradSliceMut::Bf16(y) => forward_rounded(statistics, x, d, weight, bias, eps, y),
-    }
-}
-
-fn forward_rounded<T: Float>(
-    statistics: Statistics,
-    x: GradSlice<'_>,
-    d: usize,
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    eps: f32,
-    y: &mut [T],
-) {
-    assert_eq!(weight.len(), d, "layer_norm: weight length");
-    assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
-    assert_eq!(x.len(), y.len(), "layer_norm: x and y lengths");
-    assert_whole_rows(x.len(), d);
-    if d == 0 {
-        return;
-    }
-    y.par_chunks_mut(d * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
-        let (mut row, mut out) = (vec![0f32; d], vec![0f32; d]);
-        for (i, y) in ys.chunks_exact_mut(d).enumerate() {
-            let at = (block * ROWS_PER_BLOCK + i) * d;
-            forward_row(statistics, widen_row(x, at, &mut row), weight, bias, eps, &mut out);
-            T::narrow(&out, y);
-        }
-    });
-}
-
-/// Rows `first..` of the forward pass into `ys` (whole rows).
+/// The backward pass: `dx` (`rows * d`), `dweight` and `dbias` (`d` each, overwritten) from `x` and
+/// the output gradient `dy`.
+///
+/// # Panics
+/// If a length does not match `rows` and `d`.
 #[allow(clippy::too_many_arguments)]
-fn forward_rows(
-    statistics: Statistics,
+pub fn backward(
     x: GradSlice<'_>,
+    dy: GradSlice<'_>,
     d: usize,
     weight: &[f32],
-    bias: Option<&[f32]>,
     eps: f32,
-    first: usize,
-    ys: &mut [f32],
+    dx: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
 ) {
-    let mut row = vec![0f32; d];
-    for (i, y) in ys.chunks_exact_mut(d).enumerate() {
-        forward_row(statistics, widen_row(x, (first + i) * d, &mut row), weight, bias, eps, y);
+    Rows::new(Statistics::MeanAndVariance, d, weight, None, eps).backward(x, dy, dx, dweight, dbias);
+}
+
+/// A normalisation of rows of `d` values: its statistics, weight, bias and `eps`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rows<'a> {
+    statistics: Statistics,
+    d: usize,
+    weight: &'a [f32],
+    bias: Option<&'a [f32]>,
+    eps: f32,
+}
+
+impl<'a> Rows<'a> {
+    /// # Panics
+    /// If the weight or the bias is not `d` long.
+    pub(crate) fn new(
+        statistics: Statistics,
+        d: usize,
+        weight: &'a [f32],
+        bias: Option<&'a [f32]>,
+        eps: f32,
+    ) -> Self {
+        assert_eq!(weight.len(), d, "layer_norm: weight length");
+        assert!(bias.is_none_or(|b| b.len() == d), "layer_norm: bias length");
+        Rows { statistics, d, weight, bias, eps }
+    }
+
+    /// Panics unless `len` is whole rows (a partial last row would be left out without a word).
+    fn assert_whole_rows(self, len: usize) {
+        let d = self.d;
+        assert!(d == 0 || len.is_multiple_of(d), "layer_norm: a length of {len} is not whole rows of {d}");
+    }
+
+    /// The forward pass into `y`.
+    pub(crate) fn forward(self, x: GradSlice<'_>, y: &mut [f32]) {
+        assert_eq!(x.len(), y.len(), "layer_norm: x and y lengths");
+        self.assert_whole_rows(x.len());
+        if self.d == 0 {
+            return;
+        }
+        y.par_chunks_mut(self.d * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
+            self.forward_rows(x, block * ROWS_PER_BLOCK, ys);
+        });
+    }
+
+    /// The forward pass into a new vector.
+    pub(crate) fn forward_new(self, x: GradSlice<'_>) -> Vec<f32> {
+        self.assert_whole_rows(x.len());
+        if self.d == 0 {
+            return vec![0.0; x.len()];
+        }
+        crate::fresh::written_in_blocks(x.len(), self.d * ROWS_PER_BLOCK, |start, ys| {
+            self.forward_rows(x, start / self.d, ys);
+        })
+    }
+
+    /// The forward pass into `y` of any of f32, f16 and bf16, each row rounded once.
+    pub(crate) fn forward_into(self, x: GradSlice<'_>, y: GradSliceMut<'_>) {
+        match y {
+            GradSliceMut::F32(y) => self.forward(x, y),
+            GradSliceMut::F16(y) => self.forward_rounded(x, y),
+            GradSliceMut::Bf16(y) => self.forward_rounded(x, y),
+        }
+    }
+
+    fn forward_rounded<T: Float>(self, x: GradSlice<'_>, y: &mut [T]) {
+        assert_eq!(x.len(), y.len(), "layer_norm: x and y lengths");
+        self.assert_whole_rows(x.len());
+        let Rows { statistics, d, weight, bias, eps } = self;
+        if d == 0 {
+            return;
+        }
+        y.par_chunks_mut(d * ROWS_PER_BLOCK).enumerate().for_each(|(block, ys)| {
+            let (mut row, mut out) = (vec![0f32; d], vec![0f32; d]);
+            for (i, y) in ys.chunks_exact_mut(d).enumerate() {
+                let at = (block * ROWS_PER_BLOCK + i) * d;
+                forward_row(statistics, widen_row(x, at, &mut row), weight, bias, eps, &mut out);
+                T::narrow(&out, y);
+            }
+        });
+    }
+
+    /// Rows `first..` of the forward pass into `ys` (whole rows).
+    fn forward_rows(self, x: GradSlice<'_>, first: usize, ys: &mut [f32]) {
+        let Rows { statistics, d, weight, bias, eps } = self;
+        let mut row = vec![0f32; d];
+        for (i, y) in ys.chunks_exact_mut(d).enumerate() {
+            forward_row(statistics, widen_row(x, (first + i) * d, &mut row), weight, bias, eps, y);
+        }
+    }
+
+    /// The backward pass: `dx`, and `dweight` and `dbias` (`d` each, overwritten; the bias's whether
+    /// or not the norm has one).
+    pub(crate) fn backward(
+        self,
+        x: GradSlice<'_>,
+        dy: GradSlice<'_>,
+        dx: &mut [f32],
+        dweight: &mut [f32],
+        dbias: &mut [f32],
+    ) {
+        let Rows { statistics, d, weight, eps, .. } = self;
+        assert_eq!((dweight.len(), dbias.len()), (d, d), "layer_norm: gradient lengths");
+        assert_eq!((x.len(), dy.len()), (dx.len(), dx.len()), "layer_norm: x, dy and dx lengths");
+        self.assert_whole_rows(x.len());
+        dweight.fill(0.0);
+        dbias.fill(0.0);
+        if d == 0 {
+            return;
+        }
+        // Each block: its rows' dx, and its partial weight and bias gradients.
+        let partials: Vec<Vec<f32>> = dx
+            .par_chunks_mut(d * ROWS_PER_BLOCK)
+            .enumerate()
+            .map(|(block, dxs)| {
+                let first = block * ROWS_PER_BLOCK;
+                let (mut row, mut grad) = (vec![0f32; d], vec![0f32; d]);
+                let mut sums = vec![0f32; 2 * d];
+                for (i, dx) in dxs.chunks_exact_mut(d).enumerate() {
+                    let at = (first + i) * d;
+                    let (row, grad) = (widen_row(x, at, &mut row), widen_row(dy, at, &mut grad));
+                    backward_row(statistics, row, grad, weight, eps, dx, &mut sums);
+                }
+                sums
+            })
+            .collect();
+        for sums in &partials {
+            for (acc, &s) in dweight.iter_mut().zip(&sums[..d]) {
+                *acc += s;
+            }
+            for (acc, &s) in dbias.iter_mut().zip(&sums[d..]) {
+                *acc += s;
+            }
+        }
     }
 }
 
@@ -207,80 +253,6 @@ fn forward_row_any(
             for j in 0..d {
                 y[j] = (row[j] - mean) * rstd * weight[j] + 0.0;
             }
-        }
-    }
-}
-
-/// The backward pass: `dx` (`rows * d`), `dweight` and `dbias` (`d` each, overwritten) from `x` and
-/// the output gradient `dy`.
-///
-/// # Panics
-/// If a length does not match `rows` and `d`.
-#[allow(clippy::too_many_arguments)]
-pub fn backward(
-    x: GradSlice<'_>,
-    dy: GradSlice<'_>,
-    d: usize,
-    weight: &[f32],
-    eps: f32,
-    dx: &mut [f32],
-    dweight: &mut [f32],
-    dbias: &mut [f32],
-) {
-    backward_with(Statistics::MeanAndVariance, x, dy, d, weight, eps, dx, dweight, dbias);
-}
-
-/// [`backward`] with the given statistics.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_with(
-    statistics: Statistics,
-    x: GradSlice<'_>,
-    dy: GradSlice<'_>,
-    d: usize,
-    weight: &[f32],
-    eps: f32,
-    dx: &mut [f32],
-    dweight: &mut [f32],
-    dbias: &mut [f32],
-) {
-    assert_eq!(weight.len(), d, "layer_norm: weight length");
-    assert_eq!((dweight.len(), dbias.len()), (d, d), "layer_norm: gradient lengths");
-    assert_eq!((x.len(), dy.len()), (dx.len(), dx.len()), "layer_norm: x, dy and dx lengths");
-    assert_whole_rows(x.len(), d);
-    dweight.fill(0.0);
-    dbias.fill(0.0);
-    if d == 0 {
-        return;
-    }
-    // Each block: its rows' dx, and its partial weight and bias gradients.
-    let partials: Vec<Vec<f32>> = dx
-        .par_chunks_mut(d * ROWS_PER_BLOCK)
-        .enumerate()
-        .map(|(block, dxs)| {
-            let first = block * ROWS_PER_BLOCK;
-            let (mut row, mut grad) = (vec![0f32; d], vec![0f32; d]);
-            let mut sums = vec![0f32; 2 * d];
-            for (i, dx) in dxs.chunks_exact_mut(d).enumerate() {
-                let at = (first + i) * d;
-                backward_row(
-                    statistics,
-                    widen_row(x, at, &mut row),
-                    widen_row(dy, at, &mut grad),
-                    weight,
-                    eps,
-                    dx,
-                    &mut sums,
-                );
-            }
-            sums
-        })
-        .collect();
-    for sums in &partials {
-        for (acc, &s) in dweight.iter_mut().zip(&sums[..d]) {
-            *acc += s;
-        }
-        for (acc, &s) in dbias.iter_mut().zip(&sums[d..]) {
-            *acc += s;
         }
     }
 }

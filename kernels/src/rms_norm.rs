@@ -11,7 +11,7 @@
 //! beyond `sqrt(f32::MAX)` (about 1.8e19) is normalised as any other, where a mean of f32 squares would
 //! be infinite and the row would come out as zeros.
 
-use crate::layer_norm::{backward_with, forward_into_with, forward_new_with, Statistics};
+use crate::layer_norm::{Rows, Statistics};
 use crate::{GradSlice, GradSliceMut};
 
 /// The forward pass into a new vector: `y` (`rows * d`) from `x` (f32, f16 or bf16, widened exactly).
@@ -19,7 +19,7 @@ use crate::{GradSlice, GradSliceMut};
 /// # Panics
 /// If a length does not match `rows` and `d`.
 pub fn forward_new(x: GradSlice<'_>, d: usize, weight: &[f32], eps: f32) -> Vec<f32> {
-    forward_new_with(Statistics::MeanSquare, x, d, weight, None, eps)
+    Rows::new(Statistics::MeanSquare, d, weight, None, eps).forward_new(x)
 }
 
 /// The forward pass into `y` of any of f32, f16 and bf16: each row computed in f32 as [`forward_new`]
@@ -28,7 +28,7 @@ pub fn forward_new(x: GradSlice<'_>, d: usize, weight: &[f32], eps: f32) -> Vec<
 /// # Panics
 /// If a length does not match `rows` and `d`.
 pub fn forward_into(x: GradSlice<'_>, d: usize, weight: &[f32], eps: f32, y: GradSliceMut<'_>) {
-    forward_into_with(Statistics::MeanSquare, x, d, weight, None, eps, y);
+    Rows::new(Statistics::MeanSquare, d, weight, None, eps).forward_into(x, y);
 }
 
 /// The backward pass: `dx` (`rows * d`) and `dweight` (`d`, overwritten) from `x` and the output
@@ -47,7 +47,7 @@ pub fn backward(
 ) {
     // The passes also sum what would be a bias's gradient; an RMS norm has none.
     let mut unused_dbias = vec![0f32; d];
-    backward_with(Statistics::MeanSquare, x, dy, d, weight, eps, dx, dweight, &mut unused_dbias);
+    Rows::new(Statistics::MeanSquare, d, weight, None, eps).backward(x, dy, dx, dweight, &mut unused_dbias);
 }
 
 #[cfg(test)]
