@@ -52,10 +52,7 @@ struct ChannelAffineBackward {
 
 /// The f32 elements of a contiguous storage.
 fn f32s<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
-        _ => Err(candle_core::Error::Msg("amp channel affine: operands must be contiguous f32".into())),
-    }
+    super::elementwise::f32_elements(storage, layout, "amp channel affine")
 }
 
 impl CustomOp3 for ChannelAffine {

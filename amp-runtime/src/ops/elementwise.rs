@@ -10,6 +10,19 @@ pub(super) fn elements<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<G
     crate::storage::read_slice(storage, layout).map_err(candle_core::Error::wrap)
 }
 
+/// The elements of a contiguous f32 storage that `op` reads (its name in the errors).
+pub(super) fn f32_elements<'a>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    op: &'static str,
+) -> Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
+        (CpuStorage::F32(_), None) => Err(candle_core::Error::RequiresContiguous { op }),
+        (other, _) => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), op)),
+    }
+}
+
 /// The first `len` elements of an f32, f16 or bf16 storage, to write.
 pub(super) fn elements_mut(storage: &mut CpuStorage, len: usize) -> Result<GradSliceMut<'_>> {
     crate::storage::write_slice(storage, &Layout::contiguous(len)).map_err(candle_core::Error::wrap)

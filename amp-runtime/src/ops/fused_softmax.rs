@@ -7,7 +7,6 @@
 //! version runs.
 
 use amp_kernels::softmax::{self, Mask};
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, D};
 
 /// `softmax(x)` over the last dimension, f32 in and out, as one op each way; `None` off the CPU or
@@ -61,11 +60,7 @@ struct SoftmaxBackward {
 
 /// A contiguous f32 tensor's elements.
 fn elements<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
-        (CpuStorage::F32(_), None) => Err(candle_core::Error::RequiresContiguous { op: "amp softmax" }),
-        (other, _) => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), "amp softmax")),
-    }
+    super::elementwise::f32_elements(storage, layout, "amp softmax")
 }
 
 impl CustomOp1 for SoftmaxOp {

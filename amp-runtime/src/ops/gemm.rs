@@ -440,10 +440,7 @@ impl LinearOp {
         (s2, l2): (&CpuStorage, &Layout),
         (s3, l3): (&CpuStorage, &Layout),
     ) -> Result<(CpuStorage, usize)> {
-        let bias = match (s3, l3.contiguous_offsets()) {
-            (CpuStorage::F32(v), Some((start, end))) => &v[start..end],
-            _ => return Err(candle_core::Error::Msg("amp-linear: the bias must be contiguous f32".into())),
-        };
+        let bias = super::elementwise::f32_elements(s3, l3, "amp-linear's bias")?;
         read_from(self.values.as_ref(), s2, l2, |s2, l2| {
             let (w, _, [outputs, _]) = operand(s2, l2)?;
             // The weight (out, in) read as the (in, out) operand: its strides swapped.

@@ -140,12 +140,9 @@ pub(super) fn inputs<'a>(
     Ok(Inputs { rows, d, x, weight, bias })
 }
 
-/// A contiguous f32 vector.
+/// A contiguous f32 vector (a weight or a bias).
 fn vector<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
-        _ => Err(candle_core::Error::Msg("amp layer_norm: weight and bias must be contiguous f32".into())),
-    }
+    super::elementwise::f32_elements(storage, layout, "amp layer_norm's weight and bias")
 }
 
 impl CustomOp3 for LayerNormOp {
