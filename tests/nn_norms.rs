@@ -412,3 +412,42 @@ fn norms_normalise_activations_whose_f32_squares_overflow() -> Result<()> {
     assert_eq!(values(bn.running_var())?, [1.0; 6], "the running variance too");
     Ok(())
 }
+
+/// `BatchNormConfig { remove_mean: false, .. }` (the RMS norm of each channel): output, gradients and
+/// the running statistics as candle-nn's (the running variance the same bits, the running mean left
+/// as it is), in training and evaluation.
+#[test]
+fn batch_norm_without_mean_removal_matches_candle_nn() -> Result<()> {
+    let config = BatchNormConfig { remove_mean: false, momentum: 0.3, ..Default::default() };
+    let mut varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let ours = batch_norm(3, config, vb.pp("ours"))?;
+    let theirs = candle_nn::batch_norm(3, config, vb.pp("theirs"))?;
+    for (i, name) in ["weight", "bias"].into_iter().enumerate() {
+        let value = (common::randn_in(40 + i as u64, &[3], 0.5, DType::F32)? + 1.0)?;
+        for layer in ["ours", "theirs"] {
+            varmap.set_one(format!("{layer}.{name}"), &value)?;
+        }
+    }
+    let x = (common::randn_in(42, &[4, 3, 5, 5], 2.0, DType::F32)? + 0.5)?;
+    let tolerance = common::tolerance(DType::F32, 0, 0.0);
+    for train in [true, false] {
+        let step = |layer: &dyn ModuleT| common::value_and_grad(|x| layer.forward_t(x, train), &x);
+        let ((y, dx), (their_y, their_dx)) = (step(&ours)?, step(&theirs)?);
+        common::assert_close(&format!("train={train} forward"), &y, &their_y, tolerance)?;
+        common::assert_close(&format!("train={train} grad x"), &dx, &their_dx, tolerance)?;
+    }
+    assert_eq!(values(ours.running_var())?, values(theirs.running_var())?, "running variance");
+    assert_eq!(values(ours.running_mean())?, [0.0; 3], "the running mean stays");
+    let reference = |t: &[Tensor]| {
+        let rms = (t[0].sqr()?.mean_keepdim(&[0, 2, 3][..])? + EPS)?.sqrt()?;
+        t[0].broadcast_div(&rms)
+    };
+    let ones = Tensor::ones(3, DType::F32, &Device::Cpu)?;
+    let unit =
+        BatchNorm::new(Var::zeros(3, DType::F32, &Device::Cpu)?, Var::from_tensor(&ones)?, None, config)?;
+    let y = unit.forward_t(&x, true)?;
+    let y_ref = reference(&[x.to_dtype(DType::F64)?])?;
+    common::assert_close("remove_mean false against f64", &y, &y_ref, tolerance)?;
+    Ok(())
+}
