@@ -78,6 +78,7 @@ pub mod reduce;
 pub mod reference;
 pub mod relu;
 pub mod rms_norm;
+pub mod rope;
 pub mod scale;
 #[cfg(target_arch = "x86_64")]
 mod simd;

@@ -9,7 +9,7 @@
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
 use amp_kernels::softmax::{self, Mask};
 use amp_kernels::{
-    channel_affine, gelu, layer_norm, reduce, relu, rms_norm, vectorise, GradSlice, GradSliceMut, Isa,
+    channel_affine, gelu, layer_norm, reduce, relu, rms_norm, rope, vectorise, GradSlice, GradSliceMut, Isa,
 };
 use half::{bf16, f16};
 
@@ -103,6 +103,25 @@ fn outputs() -> Vec<Vec<u32>> {
     let (mut dca, mut dcw, mut dcb) = (vec![0f32; 7 * cols], vec![0f32; 7], vec![0f32; 7]);
     channel_affine::backward(&x[..7 * cols], &dy[..7 * cols], planes, &cw, &mut dca, &mut dcw, &mut dcb);
     out.push([&affine, &dca, &dcw, &dcb].into_iter().flatten().map(|v| v.to_bits()).collect());
+    // Rotary embeddings, both pairings and directions, rows of 300 values (one short of the 301 columns).
+    let (angles_cos, angles_sin) = (values(150 * 53, 9), values(150 * 53, 10));
+    for pairing in [rope::Pairing::Halves, rope::Pairing::Adjacent] {
+        let r = rope::Rope {
+            pairing,
+            order: rope::RowOrder::HeadsThenPositions,
+            heads: 1,
+            positions: 53,
+            d: 300,
+            cos: &angles_cos,
+            sin: &angles_sin,
+            per_sequence: false,
+        };
+        for direction in [rope::Direction::Forward, rope::Direction::Inverse] {
+            let mut rotated = vec![0f32; 53 * 300];
+            r.rotate(direction, GradSlice::F32(&x[..53 * 300]), 0, GradSliceMut::F32(&mut rotated));
+            out.push(rotated.iter().map(|v| v.to_bits()).collect());
+        }
+    }
     out
 }
 

@@ -53,12 +53,23 @@ pub(super) fn new_storage(
     len: usize,
     write: impl Fn(usize, GradSliceMut<'_>) + Sync,
 ) -> CpuStorage {
+    new_storage_in_blocks(dtype, len, BLOCK, write)
+}
+
+/// [`new_storage`] in blocks of `block` elements (the last one may be shorter): whole rows, for a
+/// kernel that works a row at a time.
+pub(super) fn new_storage_in_blocks(
+    dtype: Dtype,
+    len: usize,
+    block: usize,
+    write: impl Fn(usize, GradSliceMut<'_>) + Sync,
+) -> CpuStorage {
     use amp_kernels::fresh::written_in_blocks;
     match dtype {
-        Dtype::F32 => CpuStorage::F32(written_in_blocks(len, BLOCK, |at, y: &mut [f32]| write(at, y.into()))),
-        Dtype::F16 => CpuStorage::F16(written_in_blocks(len, BLOCK, |at, y: &mut [f16]| write(at, y.into()))),
+        Dtype::F32 => CpuStorage::F32(written_in_blocks(len, block, |at, y: &mut [f32]| write(at, y.into()))),
+        Dtype::F16 => CpuStorage::F16(written_in_blocks(len, block, |at, y: &mut [f16]| write(at, y.into()))),
         Dtype::Bf16 => {
-            CpuStorage::BF16(written_in_blocks(len, BLOCK, |at, y: &mut [bf16]| write(at, y.into())))
+            CpuStorage::BF16(written_in_blocks(len, block, |at, y: &mut [bf16]| write(at, y.into())))
         }
     }
 }

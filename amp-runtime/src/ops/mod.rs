@@ -1,6 +1,6 @@
 //! Tensor ops with the precision rules of Apex's O1 lists and `torch.autocast`, as plain functions.
 //!
-//! Three classes, as in the autocast op lists:
+//! The classes, as in the autocast op lists (the last two amp's own):
 //!
 //! | class | ops | rule |
 //! |---|---|---|
@@ -8,6 +8,7 @@
 //! | fp32 | [`exp`], [`log`], [`pow`], [`softmax`], [`log_softmax`], [`sum`], [`mean`], [`norm`], [`cumsum`], [`var`], [`std`](fn@std), every [`loss`] | f16/bf16 inputs widened to f32, result f32 |
 //! | promote | [`add`], [`sub`], [`mul`], [`div`], [`cat`], [`stack`], [`maximum`], [`minimum`] | inputs cast to the widest float dtype among them |
 //! | activation | [`gelu()`], [`relu()`] | computed in f32 in one pass (backward too), result in the input's dtype |
+//! | position | [`rope()`], [`rope_i`], [`rope_thd`] | rotated in f32 in one pass (backward too), result in the input's dtype |
 //!
 //! Why fp32 for the second class: candle reduces in the storage dtype, so on CPU the sum of 10,000 ones
 //! is 2048 in f16 and 256 in bf16 (the accumulator stops growing once the increment is below half an
@@ -47,6 +48,7 @@ mod padded;
 mod projection;
 mod promote;
 mod relu;
+mod rope;
 mod self_attention;
 mod working_values;
 
@@ -67,6 +69,7 @@ pub(crate) use norm_head::Norm;
 pub(crate) use projection::Projection;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 pub use relu::relu;
+pub use rope::{rope, rope_i, rope_thd};
 pub(crate) use working_values::read_through_master;
 
 use candle_core::{DType, Result, Tensor};

@@ -48,7 +48,8 @@ impl fmt::Display for LikelyCause {
             }
             LikelyCause::NoPathFromLoss => {
                 "no path from the loss to it: unused in forward, detached, or behind an op without \
-                 backward (candle-nn's fused layer_norm, rms_norm, softmax_last_dim, rotary_emb::rope)"
+                 backward (candle-nn's fused layer_norm, rms_norm, softmax_last_dim, rotary_emb::rope; \
+                 amp::nn's norms, amp::ops::softmax and amp::ops::rope are differentiable)"
             }
         })
     }
