@@ -69,7 +69,7 @@ pub(crate) use norm_head::Norm;
 pub(crate) use projection::Projection;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 pub use relu::relu;
-pub use rope::{rope, rope_i, rope_thd};
+pub use rope::{rope, rope_i, rope_tables, rope_tables_of, rope_thd};
 pub(crate) use working_values::read_through_master;
 
 use candle_core::{DType, Result, Tensor};

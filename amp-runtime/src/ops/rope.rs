@@ -9,7 +9,7 @@
 //! same rotation is written with differentiable candle ops in f32.
 
 use amp_kernels::rope::{Direction, Pairing, Rope, RowOrder};
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, D};
 
 use super::elementwise::{elements, f32_elements, new_storage_in_blocks, part};
 
@@ -41,6 +41,31 @@ pub fn rope_i(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// [`rope`] on `xs` laid out `(batch, positions, heads, d)` (candle-nn's `rope_thd`).
 pub fn rope_thd(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     rotary("rope_thd", Pairing::Halves, RowOrder::PositionsThenHeads, xs, cos, sin)
+}
+
+/// The angle tables of [`rope`]: `cos` and `sin` of `p * base^(-2i / d)` for positions `p < positions`
+/// and pairs `i < d / 2`, `(positions, d / 2)` each, f32 (the defaults of Llama, Mistral and GPT-NeoX
+/// with `base` 10,000 or their `rope_theta`).
+///
+/// The angles are computed in f64 and each value rounded once to f32. Computed in f32, as
+/// candle-transformers' models do, an angle at position 100,000 is already off by up to 0.004 radians
+/// (half an f32 spacing at 1e5), and so are its cosine and sine.
+pub fn rope_tables(positions: usize, d: usize, base: f64, device: &Device) -> Result<(Tensor, Tensor)> {
+    if d == 0 || !d.is_multiple_of(2) {
+        candle_core::bail!("rope_tables: a head of {d} values is not whole pairs");
+    }
+    let frequencies: Vec<f64> = (0..d / 2).map(|i| base.powf(-2.0 * i as f64 / d as f64)).collect();
+    rope_tables_of(positions, &frequencies, device)
+}
+
+/// [`rope_tables`] for given frequencies (radians per position, one per pair): Llama 3's scaled ones,
+/// for example.
+pub fn rope_tables_of(positions: usize, frequencies: &[f64], device: &Device) -> Result<(Tensor, Tensor)> {
+    let table = |f: fn(f64) -> f64| -> Vec<f32> {
+        (0..positions).flat_map(|p| frequencies.iter().map(move |&w| f(p as f64 * w) as f32)).collect()
+    };
+    let shape = (positions, frequencies.len());
+    Ok((Tensor::from_vec(table(f64::cos), shape, device)?, Tensor::from_vec(table(f64::sin), shape, device)?))
 }
 
 /// The shape of a rotation, checked: the op's parameters but the angle tables.
@@ -282,6 +307,31 @@ mod tests {
             assert!(diff(dx1, dx2)? < 1e-6);
             assert!(g2.get(c.as_tensor()).is_some() && g2.get(s.as_tensor()).is_some(), "tables' gradients");
         }
+        Ok(())
+    }
+
+    /// Far along a sequence the tables hold the f64 cosine and sine rounded once; from angles rounded
+    /// to f32 first, the cosines at position 123,456 are off by up to 3.4e-3.
+    #[test]
+    fn tables_far_along_a_sequence_are_rounded_once_from_f64() -> Result<()> {
+        let (positions, d, base) = (123_457, 64, 10_000.0);
+        let (cos, sin) = rope_tables(positions, d, base, &Device::Cpu)?;
+        assert_eq!((cos.dims(), sin.dims()), ([positions, d / 2].as_slice(), [positions, d / 2].as_slice()));
+        let last = |t: &Tensor| -> Result<Vec<f32>> { t.get(positions - 1)?.to_vec1() };
+        let (cos_row, sin_row) = (last(&cos)?, last(&sin)?);
+        let p = (positions - 1) as f64;
+        let mut worst_f32_angle = 0f64;
+        for i in 0..d / 2 {
+            let w = base.powf(-2.0 * i as f64 / d as f64);
+            assert_eq!(cos_row[i], (p * w).cos() as f32, "cos pair {i}");
+            assert_eq!(sin_row[i], (p * w).sin() as f32, "sin pair {i}");
+            let angle32 = f64::from(p as f32 * w as f32);
+            worst_f32_angle = worst_f32_angle.max((angle32.cos() - (p * w).cos()).abs());
+        }
+        eprintln!("cosines from f32 angles: off by up to {worst_f32_angle:e}");
+        assert!(worst_f32_angle > 1e-4, "f32 angles: {worst_f32_angle:e}");
+        let odd = rope_tables(4, 7, base, &Device::Cpu).expect_err("odd d").to_string();
+        assert!(odd.contains("not whole pairs"), "{odd}");
         Ok(())
     }
 
