@@ -134,12 +134,8 @@ impl BatchNorm {
         if count < 2 {
             candle_core::bail!("batch-norm: training needs more than one value per channel, got {count}");
         }
-        let unit_weight = Tensor::ones(count, DType::F32, x.device())?;
         let eps = self.config.eps;
-        let fused = match self.config.remove_mean {
-            true => crate::ops::layer_norm(&x, &unit_weight, None, eps)?,
-            false => crate::ops::rms_norm(&x, &unit_weight, eps)?,
-        };
+        let fused = crate::ops::normalise_rows(&x, x.dim(0)?, self.config.remove_mean, eps)?;
         // With the fused op the statistics are for the running ones only: no graph.
         let momentum = self.config.momentum;
         let (centred, batch_mean) = match (&fused, self.config.remove_mean) {

@@ -87,13 +87,11 @@ impl Module for GroupNorm {
 }
 
 impl GroupNorm {
-    /// Each sample's groups normalised by their own statistics, f32, `(batch, groups, size)` or
-    /// `(batch * groups, size)`.
+    /// Each sample's groups normalised by their own statistics, f32, in `xs`'s shape or
+    /// `(batch, groups, size)`.
     fn normalise_groups(&self, xs: &Tensor) -> Result<Tensor> {
         let batch = xs.dim(0)?;
-        let rows = xs.reshape((batch * self.groups, ()))?;
-        let unit_weight = Tensor::ones(rows.dim(1)?, DType::F32, xs.device())?;
-        if let Some(normed) = crate::ops::layer_norm(&rows, &unit_weight, None, self.eps)? {
+        if let Some(normed) = crate::ops::normalise_rows(xs, batch * self.groups, true, self.eps)? {
             return Ok(normed);
         }
         let x = xs.to_dtype(DType::F32)?.reshape((batch, self.groups, ()))?;

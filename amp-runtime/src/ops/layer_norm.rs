@@ -28,6 +28,19 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Option<T
     row_norm(RowNorm::Rms, x, weight, None, eps)
 }
 
+/// `x` viewed as `rows` rows, each normalised by its own statistics without weight or bias, in f32:
+/// less its mean and over its standard deviation (`remove_mean`), or over its root mean square; the
+/// result has `x`'s shape. `None` off the CPU (nothing allocated there).
+pub(crate) fn normalise_rows(x: &Tensor, rows: usize, remove_mean: bool, eps: f64) -> Result<Option<Tensor>> {
+    if !x.device().is_cpu() {
+        return Ok(None);
+    }
+    let matrix = x.reshape((rows, ()))?;
+    let unit_weight = Tensor::ones(matrix.dim(1)?, DType::F32, x.device())?;
+    let norm = if remove_mean { RowNorm::Layer } else { RowNorm::Rms };
+    row_norm(norm, &matrix, &unit_weight, None, eps)?.map(|y| y.reshape(x.shape())).transpose()
+}
+
 fn row_norm(
     norm: RowNorm,
     x: &Tensor,

@@ -64,7 +64,7 @@ pub use fp32::{
 pub use gelu::gelu;
 pub use gemm::matmul_to;
 pub(crate) use gemm::{Epilogue, Operand};
-pub(crate) use layer_norm::{layer_norm, rms_norm};
+pub(crate) use layer_norm::{layer_norm, normalise_rows, rms_norm};
 pub(crate) use norm_head::Norm;
 pub(crate) use projection::Projection;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};

@@ -101,7 +101,7 @@ impl Geometry {
             RowOrder::HeadsThenPositions => (a, b),
             RowOrder::PositionsThenHeads => (b, a),
         };
-        if d % 2 != 0 {
+        if !d.is_multiple_of(2) {
             candle_core::bail!("{what}: a head of {d} values (x's last dimension) is not whole pairs");
         }
         if cos.dims() != sin.dims() {
