@@ -53,6 +53,7 @@
 #[macro_use]
 pub mod vectorise;
 
+mod activation;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod backend;
@@ -80,6 +81,7 @@ pub mod relu;
 pub mod rms_norm;
 pub mod rope;
 pub mod scale;
+pub mod silu;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 mod slices;

@@ -11,8 +11,9 @@
 //! ([`amp_kernels::gelu`], vectorised for the widest extension the CPU has).
 
 use amp_kernels::Dtype;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
+use super::activation::Activation;
 use super::elementwise::{elements, elements_mut, new_storage, part};
 
 /// GELU with the tanh approximation (the function of `Tensor::gelu` and of GPT-2 / BERT), `x`'s dtype.
@@ -31,7 +32,7 @@ use super::elementwise::{elements, elements_mut, new_storage, part};
 /// ```
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
     match x.dtype() {
-        DType::F32 | DType::F16 | DType::BF16 if x.device().is_cpu() => x.contiguous()?.apply_op1(Gelu),
+        DType::F32 | DType::F16 | DType::BF16 if x.device().is_cpu() => GELU.apply(x),
         _ => x.gelu(),
     }
 }
@@ -71,47 +72,13 @@ pub(super) fn gelu_gradient_with_column_sums(
     Ok((dx, sums))
 }
 
-struct Gelu;
-
-impl CustomOp1 for Gelu {
-    fn name(&self) -> &'static str {
-        "amp-gelu"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = elements(storage, layout)?;
-        let y = new_storage(x.dtype(), x.len(), |at, y| amp_kernels::gelu::forward(part(x, at, y.len()), y));
-        Ok((y, layout.shape().clone()))
-    }
-
-    fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2(&dy.contiguous()?, GeluBackward)?))
-    }
-}
-
-/// `dx = dy * gelu'(x)` in `x`'s dtype, from `x` and `dy` of any float dtype.
-struct GeluBackward;
-
-impl CustomOp2 for GeluBackward {
-    fn name(&self) -> &'static str {
-        "amp-gelu-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        gs: &CpuStorage,
-        gl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (x, dy) = (elements(xs, xl)?, elements(gs, gl)?);
-        let dx = new_storage(x.dtype(), x.len(), |at, dx| {
-            let n = dx.len();
-            amp_kernels::gelu::backward(part(x, at, n), part(dy, at, n), dx)
-        });
-        Ok((dx, xl.shape().clone()))
-    }
-}
+/// GELU's kernels as one op each way.
+const GELU: Activation = Activation {
+    forward_name: "amp-gelu",
+    backward_name: "amp-gelu-backward",
+    forward: amp_kernels::gelu::forward,
+    backward: amp_kernels::gelu::backward,
+};
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,7 @@
 //! | matmul-class | [`matmul`], [`linear`], [`scaled_dot_product_attention`] | operands cast to the compute precision; products accumulate in f32 |
 //! | fp32 | [`exp`], [`log`], [`pow`], [`softmax`], [`log_softmax`], [`sum`], [`mean`], [`norm`], [`cumsum`], [`var`], [`std`](fn@std), every [`loss`] | f16/bf16 inputs widened to f32, result f32 |
 //! | promote | [`add`], [`sub`], [`mul`], [`div`], [`cat`], [`stack`], [`maximum`], [`minimum`] | inputs cast to the widest float dtype among them |
-//! | activation | [`gelu()`], [`relu()`] | computed in f32 in one pass (backward too), result in the input's dtype |
+//! | activation | [`gelu()`], [`relu()`], [`silu()`] | computed in f32 in one pass (backward too), result in the input's dtype |
 //! | position | [`rope()`], [`rope_i`], [`rope_thd`] | rotated in f32 in one pass (backward too), result in the input's dtype |
 //!
 //! Why fp32 for the second class: candle reduces in the storage dtype, so on CPU the sum of 10,000 ones
@@ -28,6 +28,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+mod activation;
 mod attention;
 mod buffer;
 mod channel_affine;
@@ -50,6 +51,7 @@ mod promote;
 mod relu;
 mod rope;
 mod self_attention;
+mod silu;
 mod working_values;
 
 pub(crate) use attention::attention_of_heads;
@@ -70,6 +72,7 @@ pub(crate) use projection::Projection;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 pub use relu::relu;
 pub use rope::{rope, rope_i, rope_tables, rope_tables_of, rope_thd};
+pub use silu::silu;
 pub(crate) use working_values::read_through_master;
 
 use candle_core::{DType, Result, Tensor};

@@ -4,18 +4,15 @@
 //! `gelu(x) = 0.5 x (1 + tanh(u))`, `u = sqrt(2/pi) (x + 0.044715 x^3)`, and
 //! `gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)` with `t = tanh(u)`.
 //!
-//! Floats are split into fixed chunks on the current rayon pool; inside a chunk, blocks are widened
-//! to f32, computed by loops compiled for the widest vector extension the CPU has (`tanh` from
-//! [`crate::exp::exp_nonpositive`], no library call), and narrowed (f32 chunks are computed where they
-//! lie, without the copies). The multiply-adds are fused where the CPU has FMA (`mul_add.rs`: the
-//! forward takes about a quarter less time, the backward a third less). Each element's result is the
-//! same on every path and thread count of every CPU with FMA.
+//! The elementwise driver (`activation/`) runs it: fixed chunks on the current rayon pool, blocks
+//! widened to f32, computed by loops compiled for the widest vector extension the CPU has (`tanh` from
+//! [`crate::exp::exp_nonpositive`], no library call), and narrowed. The multiply-adds are fused where
+//! the CPU has FMA (`mul_add.rs`: the forward takes about a quarter less time, the backward a third
+//! less). Each element's result is the same on every path and thread count of every CPU with FMA.
 
-use rayon::prelude::*;
-
+use crate::activation::Activation;
 use crate::exp::exp_nonpositive_with;
 use crate::mul_add::{cpu_fuses, Fused, MulAdd, Separate};
-use crate::slices::Float;
 use crate::{GradSlice, GradSliceMut};
 
 pub use summed::backward_with_column_sums;
@@ -26,10 +23,6 @@ const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const CUBIC: f32 = 0.044_715;
 /// Where `tanh` of GELU's argument is exactly +-1 in f32 (the argument is about 158 there).
 const SATURATED: f32 = 16.0;
-/// Floats per parallel chunk: large enough that a chunk's work outweighs scheduling it.
-const CHUNK: usize = 8192;
-/// Floats widened, computed and narrowed at a time (stack buffers).
-const BLOCK: usize = 256;
 
 /// `gelu(x)` and `gelu'(x)` in f32 (within a few ulps of `max(1, |x|)` of the exact function), as the
 /// kernels compute them on this CPU.
@@ -77,20 +70,7 @@ fn tanh<A: MulAdd>(u: f32) -> f32 {
 /// # Panics
 /// If the lengths differ.
 pub fn forward(x: GradSlice<'_>, y: GradSliceMut<'_>) {
-    assert_eq!(x.len(), y.len(), "gelu: x and y lengths");
-    match x {
-        GradSlice::F32(x) => forward_from(x, y),
-        GradSlice::F16(x) => forward_from(x, y),
-        GradSlice::Bf16(x) => forward_from(x, y),
-    }
-}
-
-fn forward_from<T: Float>(x: &[T], y: GradSliceMut<'_>) {
-    match y {
-        GradSliceMut::F32(y) => map(x, y),
-        GradSliceMut::F16(y) => map(x, y),
-        GradSliceMut::Bf16(y) => map(x, y),
-    }
+    crate::activation::forward::<Gelu>(x, y);
 }
 
 /// `dx = dy * gelu'(x)`, `dx` in `x`'s dtype, `dy` of any.
@@ -98,85 +78,18 @@ fn forward_from<T: Float>(x: &[T], y: GradSliceMut<'_>) {
 /// # Panics
 /// If the lengths differ, or `dx`'s dtype is not `x`'s.
 pub fn backward(x: GradSlice<'_>, dy: GradSlice<'_>, dx: GradSliceMut<'_>) {
-    assert_eq!((x.len(), dy.len()), (dx.len(), dx.len()), "gelu: x, dy and dx lengths");
-    match dy {
-        GradSlice::F32(dy) => backward_from(x, dy, dx),
-        GradSlice::F16(dy) => backward_from(x, dy, dx),
-        GradSlice::Bf16(dy) => backward_from(x, dy, dx),
-    }
+    crate::activation::backward::<Gelu>(x, dy, dx);
 }
 
-fn backward_from<G: Float>(x: GradSlice<'_>, dy: &[G], dx: GradSliceMut<'_>) {
-    match (x, dx) {
-        (GradSlice::F32(x), GradSliceMut::F32(dx)) => map_with(x, dy, dx),
-        (GradSlice::F16(x), GradSliceMut::F16(dx)) => map_with(x, dy, dx),
-        (GradSlice::Bf16(x), GradSliceMut::Bf16(dx)) => map_with(x, dy, dx),
-        (x, dx) => panic!("gelu: x is {:?} but dx is {:?}", x.dtype(), dx.dtype()),
-    }
-}
+/// GELU as the elementwise driver computes it.
+pub(crate) struct Gelu;
 
-fn map<T: Float, U: Float>(x: &[T], y: &mut [U]) {
-    let values = if cpu_fuses() { values::<Fused> } else { values::<Separate> };
-    y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
-        if let (Some(x), Some(y)) = (T::as_f32(x), U::as_f32_mut(y)) {
-            return values(x, y);
-        }
-        let (mut wide, mut out) = ([0f32; BLOCK], [0f32; BLOCK]);
-        for (y, x) in y.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
-            let n = x.len();
-            // f32 inputs are read where they lie; half ones widened first.
-            let x = match T::as_f32(x) {
-                Some(x) => x,
-                None => {
-                    T::widen(x, &mut wide[..n]);
-                    &wide[..n]
-                }
-            };
-            values(x, &mut out[..n]);
-            U::narrow(&out[..n], y);
-        }
-    });
-}
+impl Activation for Gelu {
+    const NAME: &'static str = "gelu";
 
-fn map_with<T: Float, G: Float>(x: &[T], dy: &[G], dx: &mut [T]) {
-    let gradients = if cpu_fuses() { gradients::<Fused> } else { gradients::<Separate> };
-    dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK))).for_each(|(dx, (x, dy))| {
-        if let (Some(x), Some(dy), Some(dx)) = (T::as_f32(x), G::as_f32(dy), T::as_f32_mut(dx)) {
-            return gradients(x, dy, dx);
-        }
-        let (mut wide, mut grad, mut out) = ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
-        for (dx, (x, dy)) in dx.chunks_mut(BLOCK).zip(x.chunks(BLOCK).zip(dy.chunks(BLOCK))) {
-            let n = x.len();
-            let (wide, grad, out) = (&mut wide[..n], &mut grad[..n], &mut out[..n]);
-            T::widen(x, wide);
-            G::widen(dy, grad);
-            gradients(wide, grad, out);
-            T::narrow(out, dx);
-        }
-    });
-}
-
-widest_vectors! {
-    /// `out = gelu(x)` for a block, multiply-adds as `A` does them.
-    fn values<A: MulAdd>(x: &[f32], out: &mut [f32]) => values_any;
-}
-
-#[inline(always)]
-fn values_any<A: MulAdd>(x: &[f32], out: &mut [f32]) {
-    for (out, &x) in out.iter_mut().zip(x) {
-        *out = value_and_slope_with::<A>(x).0;
-    }
-}
-
-widest_vectors! {
-    /// `out = dy * gelu'(x)` for a block, multiply-adds as `A` does them.
-    fn gradients<A: MulAdd>(x: &[f32], dy: &[f32], out: &mut [f32]) => gradients_any;
-}
-
-#[inline(always)]
-fn gradients_any<A: MulAdd>(x: &[f32], dy: &[f32], out: &mut [f32]) {
-    for ((out, &x), &dy) in out.iter_mut().zip(x).zip(dy) {
-        *out = dy * value_and_slope_with::<A>(x).1;
+    #[inline(always)]
+    fn value_and_slope<A: MulAdd>(x: f32) -> (f32, f32) {
+        value_and_slope_with::<A>(x)
     }
 }
 
@@ -185,6 +98,7 @@ mod tests {
     use half::{bf16, f16};
 
     use super::*;
+    use crate::activation::{gradients, values, BLOCK, CHUNK};
 
     #[test]
     fn tanh_is_within_its_stated_error() {
@@ -248,8 +162,8 @@ mod tests {
             let x: Vec<f32> = (0..BLOCK + 13).map(|i| ((i * 7919) % 4001) as f32 / 250.0 - 8.0).collect();
             let dy: Vec<f32> = (0..x.len()).map(|i| ((i * 104_729) % 211) as f32 / 100.0 - 1.0).collect();
             let (mut y, mut dx) = (vec![0f32; x.len()], vec![0f32; x.len()]);
-            values::<A>(&x, &mut y);
-            gradients::<A>(&x, &dy, &mut dx);
+            values::<Gelu, A>(&x, &mut y);
+            gradients::<Gelu, A>(&x, &dy, &mut dx);
             for i in 0..x.len() {
                 let (value, slope) = value_and_slope_with::<A>(x[i]);
                 assert_eq!(y[i].to_bits(), value.to_bits(), "{name}: gelu(x[{i}])");

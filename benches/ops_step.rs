@@ -1,15 +1,18 @@
-//! Normalisation layers, forward and backward, amp's against candle's, measured side by side in one
-//! run: `LayerNorm` and `RmsNorm` over (4096, 1024) (a transformer's tokens), `GroupNorm` with 32
-//! groups over (8, 256, 32, 32) and `BatchNorm` in training over (32, 64, 32, 32) (a convnet's maps).
+//! Layers and ops amp computes in one pass each way, against candle's, forward and backward, measured
+//! side by side in one run: `LayerNorm` and `RmsNorm` over (4096, 1024) (a transformer's tokens),
+//! `GroupNorm` with 32 groups over (8, 256, 32, 32) and `BatchNorm` in training over (32, 64, 32, 32)
+//! (a convnet's maps), SiLU over (4096, 2816) (a SwiGLU block's gate, f32 and bf16) and rotary
+//! embeddings over (8, 12, 512, 64) (queries of BERT-base's shape, f32 and bf16).
 //!
-//! candle's contender is `candle_nn`'s layer where it has a backward (`GroupNorm`, `BatchNorm`), and the
-//! same formula written with candle's tensor ops where candle-nn's runs a fused kernel without one
-//! (`LayerNorm`, `RmsNorm`: their gradients would be missing). The input is a variable, the parameters
-//! too, and each step is `sum(y * r).backward()` with a fixed random `r`, so the backward computes every
-//! gradient. All in f32. The contenders run in turn per round (`amp_kernels::timing`) on a 2-thread
-//! rayon pool; medians.
+//! candle's contender is `candle_nn`'s layer where it has a backward (`GroupNorm`, `BatchNorm`),
+//! `Tensor::silu`, candle-nn's differentiable `rope_slow` for the rotation (its `rope` kernel has no
+//! backward), and the same formula written with candle's tensor ops where candle-nn's norm runs a fused
+//! kernel without one (`LayerNorm`, `RmsNorm`: their gradients would be missing). The input is a
+//! variable, the parameters too, and each step is `sum(y * r).backward()` with a fixed random `r`, so
+//! the backward computes every gradient. The contenders run in turn per round
+//! (`amp_kernels::timing`) on a 2-thread rayon pool; medians.
 //!
-//! Run: `cargo bench --bench norm_step` (about 15 s once built).
+//! Run: `cargo bench --bench ops_step` (about 30 s once built).
 
 use amp::nn::{BatchNorm, BatchNormConfig, GroupNorm, LayerNorm, RmsNorm};
 use amp::Param;
@@ -23,18 +26,19 @@ const EPS: f64 = 1e-5;
 /// One step of a contender: the forward pass on `x` and the backward of `sum(y * r)`.
 type Step = Box<dyn Fn() -> Result<()>>;
 
-/// A normalisation of the sweep: its name, and amp's and candle's steps.
+/// A case of the sweep: its name, and amp's and candle's steps.
 struct Case {
     name: &'static str,
     amp: Step,
     candle: Step,
 }
 
-/// `f(x)` then the backward of `sum(f(x) * r)`.
+/// `f(x)` then the backward of `sum(f(x) * r)`, the loss in f32 (`r` is f32; a half `y` is widened
+/// first: candle's own half products and sums would cost more than the ops measured).
 fn step(x: &Var, r: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor> + 'static) -> Step {
     let (x, r) = (x.clone(), r.clone());
     Box::new(move || {
-        let y = f(x.as_tensor())?.contiguous()?;
+        let y = f(x.as_tensor())?.contiguous()?.to_dtype(DType::F32)?;
         (y * &r)?.sum_all()?.backward()?;
         Ok(())
     })
@@ -42,6 +46,38 @@ fn step(x: &Var, r: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor> + 'static) ->
 
 fn variable(dims: &[usize], mean: f32, std: f32) -> Result<Var> {
     Var::from_tensor(&Tensor::randn(mean, std, dims, &Device::Cpu)?)
+}
+
+/// An input variable in `dtype` and the fixed f32 `r`.
+fn input_in(dims: &[usize], dtype: DType) -> Result<(Var, Tensor)> {
+    let x = Var::from_tensor(&Tensor::randn(0f32, 2.0, dims, &Device::Cpu)?.to_dtype(dtype)?)?;
+    Ok((x, Tensor::randn(0f32, 1.0, dims, &Device::Cpu)?))
+}
+
+/// SiLU over (4096, 2816) and rotary embeddings over (8, 12, 512, 64), f32 and bf16.
+fn pointwise() -> Result<Vec<Case>> {
+    let mut cases = Vec::new();
+    let (cos, sin) = amp::ops::rope_tables(512, 64, 10_000.0, &Device::Cpu)?;
+    for (dtype, silu_name, rope_name) in [
+        (DType::F32, "SiLU (4096, 2816)", "RoPE (8, 12, 512, 64)"),
+        (DType::BF16, "SiLU (4096, 2816) bf16", "RoPE (8, 12, 512, 64) bf16"),
+    ] {
+        let (x, r) = input_in(&[4096, 2816], dtype)?;
+        cases.push(Case {
+            name: silu_name,
+            amp: step(&x, &r, amp::ops::silu),
+            candle: step(&x, &r, |x| x.silu()),
+        });
+        let (x, r) = input_in(&[8, 12, 512, 64], dtype)?;
+        let (c, s) = (cos.clone(), sin.clone());
+        let (ch, sh) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
+        cases.push(Case {
+            name: rope_name,
+            amp: step(&x, &r, move |x| amp::ops::rope(x, &c, &s)),
+            candle: step(&x, &r, move |x| candle_nn::rotary_emb::rope_slow(x, &ch, &sh)),
+        });
+    }
+    Ok(cases)
 }
 
 /// Layer and RMS norm over the last dimension of (4096, 1024).
@@ -115,8 +151,8 @@ fn main() -> Result<()> {
 }
 
 fn run() -> Result<()> {
-    let cases: Vec<Case> = row_norms()?.into_iter().chain(channel_norms()?).collect();
-    println!("norm step (forward + backward, f32), 2 threads, {ROUNDS} rounds, medians in ms");
+    let cases: Vec<Case> = row_norms()?.into_iter().chain(channel_norms()?).chain(pointwise()?).collect();
+    println!("ops step (forward + backward; f32 unless named), 2 threads, {ROUNDS} rounds, medians in ms");
     let mut harness = Interleaved::new(2 * cases.len(), 1);
     for _ in 0..ROUNDS + 1 {
         let mut round = harness.round();
@@ -125,7 +161,7 @@ fn run() -> Result<()> {
             round.time(|| (case.candle)())?;
         }
     }
-    println!("{:<34} {:>9} {:>9} {:>14}", "layer", "amp", "candle", "amp speed-up");
+    println!("{:<34} {:>9} {:>9} {:>14}", "layer or op", "amp", "candle", "amp speed-up");
     for (i, case) in cases.iter().enumerate() {
         let (ours, theirs) = (harness.median_s(2 * i) * 1e3, harness.median_s(2 * i + 1) * 1e3);
         println!("{:<34} {ours:>9.2} {theirs:>9.2} {:>13.2}x", case.name, theirs / ours);
