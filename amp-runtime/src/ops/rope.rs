@@ -101,7 +101,7 @@ impl Geometry {
             RowOrder::HeadsThenPositions => (a, b),
             RowOrder::PositionsThenHeads => (b, a),
         };
-        if !d.is_multiple_of(2) {
+        if d == 0 || !d.is_multiple_of(2) {
             candle_core::bail!("{what}: a head of {d} values (x's last dimension) is not whole pairs");
         }
         if cos.dims() != sin.dims() {
@@ -345,6 +345,13 @@ mod tests {
         assert!(short.contains("(at least 5, 4)"), "{short}");
         let odd = message(rope(&Tensor::zeros((2, 3, 5, 7), DType::F32, &dev)?, &cos, &sin));
         assert!(odd.contains("not whole pairs"), "{odd}");
+        let (empty_cos, empty_sin) =
+            (Tensor::zeros((5, 0), DType::F32, &dev)?, Tensor::zeros((5, 0), DType::F32, &dev)?);
+        let empty = message(rope(&Tensor::zeros((2, 3, 5, 0), DType::F32, &dev)?, &empty_cos, &empty_sin));
+        assert!(empty.contains("a head of 0 values"), "{empty}");
+        // No positions: nothing to rotate, an empty result.
+        let none = rope(&Tensor::zeros((2, 3, 0, 8), DType::F32, &dev)?, &cos, &sin)?;
+        assert_eq!(none.dims(), [2, 3, 0, 8]);
         let rank = message(rope_thd(&x.flatten_to(1)?, &cos, &sin));
         assert!(rank.contains("(batch, positions, heads, d)"), "{rank}");
         let mismatched = message(rope(&x, &cos, &sin.narrow(0, 0, 4)?));
