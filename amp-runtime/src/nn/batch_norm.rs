@@ -123,7 +123,7 @@ impl BatchNorm {
     /// Normalises with the batch statistics and updates the running ones. Works on the `(channels,
     /// rest)` view, so each channel's statistics are contiguous reductions (candle-nn's layout, which
     /// makes the running statistics bit-identical to `candle_nn::BatchNorm`'s). On the CPU each channel
-    /// is a row of the fused layer norm (RMS norm without the mean): one pass each way, f64 statistics,
+    /// is a row of the fused layer norm (an RMS norm without mean removal): one pass each way, f64 statistics,
     /// so channels beyond 1.8e19, whose f32 squares overflow, are normalised too (their running
     /// variance, an f32 past `f32::MAX`, is then not updated).
     fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
@@ -136,13 +136,15 @@ impl BatchNorm {
         }
         let eps = self.config.eps;
         let fused = crate::ops::normalise_rows(&x, x.dim(0)?, self.config.remove_mean, eps)?;
-        // With the fused op the statistics are for the running ones only: no graph.
+        // With the fused op the statistics feed the running ones only: no graph.
         let momentum = self.config.momentum;
-        let (centred, batch_mean) = match (&fused, self.config.remove_mean) {
-            (Some(_), true) => Self::centre(&x.detach())?,
-            (None, true) => Self::centre(&x)?,
-            (Some(_), false) => (x.detach(), None),
-            (None, false) => (x, None),
+        let source = if fused.is_some() { x.detach() } else { x };
+        let (centred, batch_mean) = match self.config.remove_mean {
+            true => {
+                let mean = source.mean_keepdim(1)?;
+                (source.broadcast_sub(&mean)?, Some(mean))
+            }
+            false => (source, None),
         };
         let var = centred.sqr()?.mean_keepdim(1)?;
         let batch_mean = batch_mean.map(|mean| mean.detach().flatten_all()? * momentum).transpose()?;
@@ -155,12 +157,6 @@ impl BatchNorm {
         };
         let y = self.affine(normed, 0)?;
         y.reshape(transposed_dims)?.transpose(0, 1)
-    }
-
-    /// `x` less each row's mean, and the means, `(rows, 1)`.
-    fn centre(x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
-        let mean = x.mean_keepdim(1)?;
-        Ok((x.broadcast_sub(&mean)?, Some(mean)))
     }
 
     /// Folds a batch's (momentum-weighted) statistics into the running ones, unless one of them is not
