@@ -28,6 +28,15 @@ pub(crate) trait Activation: 'static {
     fn value_and_slope<A: MulAdd>(x: f32) -> (f32, f32);
 }
 
+/// `f(x)` and `f'(x)` as the kernels compute them on this CPU: multiply-adds fused where it has FMA.
+pub(crate) fn value_and_slope<F: Activation>(x: f32) -> (f32, f32) {
+    if cpu_fuses() {
+        F::value_and_slope::<Fused>(x)
+    } else {
+        F::value_and_slope::<Separate>(x)
+    }
+}
+
 /// `y = f(x)`, computed in f32 and rounded once to `y`'s dtype, which may differ from `x`'s.
 ///
 /// # Panics

@@ -12,7 +12,7 @@
 
 use crate::activation::Activation;
 use crate::exp::exp_nonpositive_with;
-use crate::mul_add::{cpu_fuses, Fused, MulAdd, Separate};
+use crate::mul_add::MulAdd;
 use crate::{GradSlice, GradSliceMut};
 
 /// Where `e^-|x|` is 0 in f32 ([`crate::exp`]'s underflow), and the slope's `x` term with it.
@@ -27,11 +27,7 @@ const SATURATED: f32 = 88.0;
 /// ```
 #[must_use]
 pub fn value_and_slope(x: f32) -> (f32, f32) {
-    if cpu_fuses() {
-        value_and_slope_with::<Fused>(x)
-    } else {
-        value_and_slope_with::<Separate>(x)
-    }
+    crate::activation::value_and_slope::<Silu>(x)
 }
 
 #[inline(always)]
@@ -77,6 +73,7 @@ mod tests {
 
     use super::*;
     use crate::activation::{gradients, values, BLOCK, CHUNK};
+    use crate::mul_add::{Fused, Separate};
 
     fn exact(x: f64) -> (f64, f64) {
         let s = 1.0 / (1.0 + (-x).exp());

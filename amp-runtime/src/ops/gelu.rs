@@ -83,9 +83,9 @@ const GELU: Activation = Activation {
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, Var};
-    use half::{bf16, f16};
 
     use super::*;
+    use crate::ops::activation::checks;
 
     /// The function and its derivative in f64.
     fn reference(x: f64) -> (f64, f64) {
@@ -120,48 +120,12 @@ mod tests {
 
     #[test]
     fn half_inputs_are_computed_in_f32_and_rounded_once() -> Result<()> {
-        let xs = inputs();
-        for dtype in [DType::F16, DType::BF16] {
-            let x = Var::from_tensor(&Tensor::new(xs.as_slice(), &Device::Cpu)?.to_dtype(dtype)?)?;
-            let y = gelu(x.as_tensor())?;
-            assert_eq!(y.dtype(), dtype);
-            let dy = Tensor::ones_like(&y)?.affine(0.5, 0.0)?;
-            let grads = (y.to_dtype(DType::F32)? * dy.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
-            let dx = grads.get(&x).expect("a gradient");
-            assert_eq!(dx.dtype(), dtype);
-            let widened = x.as_tensor().to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            let (y, dx) =
-                (y.to_dtype(DType::F32)?.to_vec1::<f32>()?, dx.to_dtype(DType::F32)?.to_vec1::<f32>()?);
-            for ((&x, &y), &dx) in widened.iter().zip(&y).zip(&dx) {
-                let (want_y, want_dx) = amp_kernels::gelu::value_and_slope(x);
-                let round = |v: f32| match dtype {
-                    DType::F16 => f16::from_f32(v).to_f32(),
-                    _ => bf16::from_f32(v).to_f32(),
-                };
-                assert_eq!(y, round(want_y), "{dtype:?} gelu({x})");
-                assert_eq!(dx, round(0.5 * want_dx), "{dtype:?} gelu'({x})");
-            }
-        }
-        Ok(())
+        checks::half_inputs_are_rounded_once(gelu, amp_kernels::gelu::value_and_slope, &inputs())
     }
 
     #[test]
     fn agrees_with_candles_gelu_and_its_backward() -> Result<()> {
-        let xs = inputs();
-        let x = Var::new(xs.as_slice(), &Device::Cpu)?;
-        let ours = gelu(x.as_tensor())?;
-        let theirs = x.as_tensor().gelu()?;
-        let (g1, g2) = (ours.sum_all()?.backward()?, theirs.sum_all()?.backward()?);
-        let pairs = [
-            (ours.to_vec1::<f32>()?, theirs.to_vec1::<f32>()?),
-            (g1.get(&x).expect("grad").to_vec1::<f32>()?, g2.get(&x).expect("grad").to_vec1::<f32>()?),
-        ];
-        for (a, b) in pairs {
-            for ((&a, &b), &x) in a.iter().zip(&b).zip(&xs) {
-                assert!((a - b).abs() <= 1e-5 * x.abs().max(1.0), "at {x}: amp {a}, candle {b}");
-            }
-        }
-        Ok(())
+        checks::agrees_with_candle(gelu, |x| x.gelu(), &inputs())
     }
 
     #[test]

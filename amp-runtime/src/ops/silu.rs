@@ -43,9 +43,9 @@ const SILU: Activation = Activation {
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, Var};
-    use half::{bf16, f16};
 
     use super::*;
+    use crate::ops::activation::checks;
 
     fn inputs() -> Vec<f32> {
         // -20..20 in steps of 1/1024, and values past the exponential's underflow: 40,966 elements.
@@ -74,27 +74,7 @@ mod tests {
     /// candle's backward rounds each of its steps to the half dtype.
     #[test]
     fn half_inputs_are_computed_in_f32_and_rounded_once() -> Result<()> {
-        let xs = inputs();
-        for dtype in [DType::F16, DType::BF16] {
-            let x = Var::from_tensor(&Tensor::new(xs.as_slice(), &Device::Cpu)?.to_dtype(dtype)?)?;
-            let y = silu(x.as_tensor())?;
-            assert_eq!(y.dtype(), dtype);
-            let grads = y.sum_all()?.backward()?;
-            let dx = grads.get(&x).expect("a gradient");
-            assert_eq!(dx.dtype(), dtype);
-            let widened = x.as_tensor().to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            let (y, dx) =
-                (y.to_dtype(DType::F32)?.to_vec1::<f32>()?, dx.to_dtype(DType::F32)?.to_vec1::<f32>()?);
-            for ((&x, &y), &dx) in widened.iter().zip(&y).zip(&dx) {
-                let (want_y, want_dx) = amp_kernels::silu::value_and_slope(x);
-                let round = |v: f32| match dtype {
-                    DType::F16 => f16::from_f32(v).to_f32(),
-                    _ => bf16::from_f32(v).to_f32(),
-                };
-                assert_eq!((y, dx), (round(want_y), round(want_dx)), "{dtype:?} silu({x})");
-            }
-        }
-        Ok(())
+        checks::half_inputs_are_rounded_once(silu, amp_kernels::silu::value_and_slope, &inputs())
     }
 
     /// In bf16 candle's backward rounds each of its steps (exponential, sum, reciprocal, products) to
@@ -129,20 +109,6 @@ mod tests {
 
     #[test]
     fn agrees_with_candles_silu_and_its_backward() -> Result<()> {
-        let xs = inputs();
-        let x = Var::new(xs.as_slice(), &Device::Cpu)?;
-        let ours = silu(x.as_tensor())?;
-        let theirs = x.as_tensor().silu()?;
-        let (g1, g2) = (ours.sum_all()?.backward()?, theirs.sum_all()?.backward()?);
-        let pairs = [
-            (ours.to_vec1::<f32>()?, theirs.to_vec1::<f32>()?),
-            (g1.get(&x).expect("grad").to_vec1::<f32>()?, g2.get(&x).expect("grad").to_vec1::<f32>()?),
-        ];
-        for (a, b) in pairs {
-            for ((&a, &b), &x) in a.iter().zip(&b).zip(&xs) {
-                assert!((a - b).abs() <= 1e-5 * x.abs().max(1.0), "at {x}: amp {a}, candle {b}");
-            }
-        }
-        Ok(())
+        checks::agrees_with_candle(silu, |x| x.silu(), &inputs())
     }
 }

@@ -12,7 +12,7 @@
 
 use crate::activation::Activation;
 use crate::exp::exp_nonpositive_with;
-use crate::mul_add::{cpu_fuses, Fused, MulAdd, Separate};
+use crate::mul_add::MulAdd;
 use crate::{GradSlice, GradSliceMut};
 
 pub use summed::backward_with_column_sums;
@@ -33,11 +33,7 @@ const SATURATED: f32 = 16.0;
 /// ```
 #[must_use]
 pub fn value_and_slope(x: f32) -> (f32, f32) {
-    if cpu_fuses() {
-        value_and_slope_with::<Fused>(x)
-    } else {
-        value_and_slope_with::<Separate>(x)
-    }
+    crate::activation::value_and_slope::<Gelu>(x)
 }
 
 /// [`value_and_slope`] with the multiply-adds as `A` does them: what the kernels' loops compute.
@@ -99,6 +95,7 @@ mod tests {
 
     use super::*;
     use crate::activation::{gradients, values, BLOCK, CHUNK};
+    use crate::mul_add::{Fused, Separate};
 
     #[test]
     fn tanh_is_within_its_stated_error() {
