@@ -339,7 +339,7 @@ fn a_layer_norm_for_other_features_than_the_input_has_is_refused_not_a_panic() -
 
 /// Activations beyond `sqrt(f32::MAX)`, about 1.8e19, whose f32 squares overflow: on the CPU each norm
 /// sums its statistics in f64 and normalises them as any other. (With the variance summed in f32 it is
-/// infinite and every such row came out as zeros, as it does in candle-nn's and PyTorch's f32 norms.)
+/// infinite and every such row came out as zeros, as it does in candle-nn's norms.)
 /// Output and gradients against f64 definitions, within 256 units of f32 roundoff plus 4 roundings of
 /// safety 4, normwise; the running statistics, f32 values past `f32::MAX`, stay as they were.
 #[test]
