@@ -1,7 +1,9 @@
 //! Convolution layers, forward and forward + backward, on amp's GEMM (im2col, `amp::nn::Conv2d` /
-//! `Conv1d`) against candle's convolution (the same layers with candle's kernel forced), measured side
-//! by side in one run: fp32 on both, and bf16 on amp (candle has no CPU bf16 conv2d; forced, the layer
-//! widens bf16 to f32 and convolves in f32, which is the "candle bf16" row).
+//! `Conv1d`, and the transposed `ConvTranspose2d` / `ConvTranspose1d`) against candle's convolution
+//! (the same layers with candle's kernel forced), measured side by side in one run: fp32 on both, and
+//! bf16 on amp (candle has no CPU bf16 conv2d; forced, the layer widens bf16 to f32 and convolves in
+//! f32, which is the "candle bf16" row). candle's transposed 1-d convolution has no backward: forced,
+//! the layer runs candle's 2-d one at height 1, whose backward candle has.
 //!
 //! The input is a variable, as in the middle of a network, so the backward computes both the input's
 //! and the kernel's gradients. Every contender runs in turn per round on a 2-thread rayon pool; medians.
@@ -11,7 +13,10 @@
 use std::time::Instant;
 
 use amp::dispatch::{self, Override};
-use amp::nn::{Conv1d, Conv1dConfig, Conv2d, Conv2dConfig};
+use amp::nn::{
+    Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d,
+    ConvTranspose2dConfig,
+};
 use amp::{Layer, LayerPrecision, Param, Precision};
 use candle_core::{Device, Module, Result, Tensor, Var};
 
@@ -28,6 +33,9 @@ struct Shape {
     padding: usize,
     stride: usize,
     groups: usize,
+    /// A transposed convolution (upsampling by the stride; its `padding` crops the output), with
+    /// no output padding.
+    transposed: bool,
 }
 
 impl Shape {
@@ -36,30 +44,68 @@ impl Shape {
     }
 
     fn layer(&self, precision: Precision) -> Result<Box<dyn Module>> {
+        if self.transposed {
+            return self.transposed_layer(precision);
+        }
         let channels = self.input[1] / self.groups;
         let dev = &Device::Cpu;
         let (p, s, g) = (self.padding, self.stride, self.groups);
         let mut dims = vec![self.outputs, channels, self.kernel];
+        let precision = LayerPrecision { compute: precision, output: None };
         let layer: Box<dyn Module> = if self.is_1d() {
             let w = Param::from_tensor(&Tensor::randn(0f32, 0.05, dims, dev)?)?;
             let config = Conv1dConfig { padding: p, stride: s, groups: g, ..Default::default() };
             let mut conv = Conv1d::new(w, None, config);
-            conv.set_precision(LayerPrecision { compute: precision, output: None });
+            conv.set_precision(precision);
             Box::new(conv)
         } else {
             dims.push(self.kernel);
             let w = Param::from_tensor(&Tensor::randn(0f32, 0.05, dims, dev)?)?;
             let config = Conv2dConfig { padding: p, stride: s, groups: g, ..Default::default() };
             let mut conv = Conv2d::new(w, None, config);
-            conv.set_precision(LayerPrecision { compute: precision, output: None });
+            conv.set_precision(precision);
             Box::new(conv)
         };
         Ok(layer)
     }
 
-    /// Flops of the forward's products (the backward's two products are twice as many).
+    /// A transposed layer: weight `(in, out / groups, k[, k])`.
+    fn transposed_layer(&self, precision: Precision) -> Result<Box<dyn Module>> {
+        let dev = &Device::Cpu;
+        let (p, s, g) = (self.padding, self.stride, self.groups);
+        let output_padding = 0;
+        let mut dims = vec![self.input[1], self.outputs / g, self.kernel];
+        let precision = LayerPrecision { compute: precision, output: None };
+        let layer: Box<dyn Module> = if self.is_1d() {
+            let w = Param::from_tensor(&Tensor::randn(0f32, 0.05, dims, dev)?)?;
+            let config =
+                ConvTranspose1dConfig { padding: p, output_padding, stride: s, dilation: 1, groups: g };
+            let mut conv = ConvTranspose1d::new(w, None, config);
+            conv.set_precision(precision);
+            Box::new(conv)
+        } else {
+            assert_eq!(g, 1, "candle-nn's ConvTranspose2dConfig has no groups");
+            dims.push(self.kernel);
+            let w = Param::from_tensor(&Tensor::randn(0f32, 0.05, dims, dev)?)?;
+            let config = ConvTranspose2dConfig { padding: p, output_padding, stride: s, dilation: 1 };
+            let mut conv = ConvTranspose2d::new(w, None, config);
+            conv.set_precision(precision);
+            Box::new(conv)
+        };
+        Ok(layer)
+    }
+
+    /// Flops of the forward's products (the backward's two products are twice as many), from the
+    /// output's positions per image: a convolution's output element sums `in / groups x taps`
+    /// products; a transposed one's input element spreads over `out / groups x taps` (the taps that
+    /// land in the padding included: the GEMM computes them).
     fn flops(&self, output_positions: usize) -> f64 {
         let taps = self.kernel.pow(if self.is_1d() { 1 } else { 2 });
+        if self.transposed {
+            let input_positions: usize = self.input[2..].iter().product();
+            let per_input = 2.0 * (self.outputs / self.groups * taps) as f64;
+            return per_input * (self.input[0] * self.input[1] * input_positions) as f64;
+        }
         let per_output = 2.0 * (self.input[1] / self.groups * taps) as f64;
         per_output * (self.input[0] * self.outputs * output_positions) as f64
     }
@@ -74,6 +120,11 @@ fn shapes(quick: bool) -> Vec<Shape> {
         padding,
         stride,
         groups,
+        transposed: false,
+    };
+    let t = |name, input: &[usize], outputs, kernel, padding, stride, groups| Shape {
+        transposed: true,
+        ..s(name, input, outputs, kernel, padding, stride, groups)
     };
     let mut v = vec![
         s("ResNet 3x3, 56^2 x 64", &[8, 64, 56, 56], 64, 3, 1, 1, 1),
@@ -86,6 +137,9 @@ fn shapes(quick: bool) -> Vec<Shape> {
             s("ResNet 1x1, 28^2 x 128 -> 512", &[8, 128, 28, 28], 512, 1, 0, 1, 1),
             s("grouped 3x3 (8 groups), 28^2 x 128", &[8, 128, 28, 28], 128, 3, 1, 1, 8),
             s("depthwise 3x3, 56^2 x 64", &[8, 64, 56, 56], 64, 3, 1, 1, 64),
+            t("U-Net up 2x2/2, 28^2 x 256 -> 128", &[8, 256, 28, 28], 128, 2, 0, 2, 1),
+            t("DCGAN up 4x4/2, 16^2 x 256 -> 128", &[8, 256, 16, 16], 128, 4, 1, 2, 1),
+            t("vocoder up k16/8, 256 x 512 -> 256", &[8, 512, 256], 256, 16, 4, 8, 1),
         ]);
     }
     v
@@ -164,7 +218,8 @@ fn bench(quick: bool) -> Result<()> {
         }
         let flops = shape.flops(positions);
         println!(
-            "\n{} (input {:?}, {} outputs, kernel {}, padding {}, stride {}, groups {}): {:.2} GFLOP forward",
+            "\n{}{} (input {:?}, {} outputs, kernel {}, padding {}, stride {}, groups {}): {:.2} GFLOP forward",
+            if shape.transposed { "transposed: " } else { "" },
             shape.name,
             shape.input,
             shape.outputs,

@@ -4,13 +4,8 @@
 //! The reference is a direct sum over every kernel tap in f64, not candle's convolution: candle 0.11.1's
 //! CPU `conv1d` returns wrong gradients for a batch of more than one image (the first test shows it).
 //!
-//! Tolerances (normwise relative, `common::tolerance`): inputs and weights are f32 (O1: the layer casts
-//! at use). A convolution's forward rounds the input and the weight to the compute format, then on
-//! amp's GEMM the f32 sums plus the f32 bias once, with candle's kernel the result and then its sum
-//! with the bias: at most 4 roundings of `u` (2^-24 fp32, 2^-11 fp16, 2^-8 bf16). Each gradient
-//! passes 3 rounded operands: the upstream gradient, the other operand, the result (the bias gradient
-//! only the first). Safety factor 4: a sum of products with cancelling terms amplifies relative
-//! operand errors by `|W||x| / |W x|`, measured 1-2 on these random data.
+//! Tolerances: `common::conv` states them (inputs and weights are f32, the layer casts at use; at most
+//! 4 roundings of the compute format's `u` in the forward, 3 in each gradient, safety factor 4).
 
 mod common;
 
@@ -123,31 +118,6 @@ fn direct(x: &Tensor, w: &Tensor, bias: &Tensor, g: Geometry) -> Result<(Tensor,
     ))
 }
 
-/// The layer's output and gradients against the direct sums, in `precision`.
-fn assert_matches_direct(
-    what: &str,
-    (y, grads): (Tensor, Vec<Tensor>),
-    (y_ref, grads_ref): &(Tensor, [Tensor; 3]),
-    precision: Precision,
-) -> Result<()> {
-    let y_ref = y_ref.reshape(y.dims())?;
-    let dtype = precision.dtype();
-    let err = common::assert_close(&format!("{what} forward"), &y, &y_ref, common::tolerance(dtype, 4, 4.0))?;
-    if precision != Precision::Fp32 {
-        assert!(err > common::unit_roundoff(dtype) / 8.0, "{what}: no sign of half rounding");
-    }
-    for (name, (grad, expected)) in ["x", "weight", "bias"].iter().zip(grads.iter().zip(grads_ref)) {
-        let expected = expected.reshape(grad.dims())?;
-        common::assert_close(
-            &format!("{what} grad {name}"),
-            grad,
-            &expected,
-            common::tolerance(dtype, 3, 4.0),
-        )?;
-    }
-    Ok(())
-}
-
 #[test]
 fn candle_conv1d_gradients_are_wrong_for_batches_where_a_direct_sum_and_amp_agree() -> Result<()> {
     let x = common::randn_in(4, &[3, 5, 20], 1.0, DType::F32)?;
@@ -190,7 +160,7 @@ fn conv2d_matches_direct_sums_in_every_precision_forward_and_backward() -> Resul
             let result = common::value_and_grads(conv2d_layer(config, precision), &inputs)?;
             assert_eq!(result.0.dtype(), DType::F32, "output returns in the input's dtype");
             let what = format!("conv2d {precision} {config:?} kernel {k}");
-            assert_matches_direct(&what, result, &reference, precision)?;
+            common::conv::assert_matches_direct(&what, result, &reference, precision)?;
         }
     }
     Ok(())
@@ -218,7 +188,7 @@ fn conv1d_matches_direct_sums_in_every_precision_forward_and_backward() -> Resul
         for precision in Precision::ALL {
             let result = common::value_and_grads(conv1d_layer(config, precision), &inputs)?;
             let what = format!("conv1d {precision} {config:?} kernel {k}");
-            assert_matches_direct(&what, result, &reference, precision)?;
+            common::conv::assert_matches_direct(&what, result, &reference, precision)?;
         }
     }
     Ok(())
@@ -248,9 +218,19 @@ fn with_candles_kernel_forced_convolutions_still_match_the_direct_sums() -> Resu
         // layer's 2-d route): both must still be right.
         for precision in [Precision::Fp32, Precision::Bf16] {
             let result = common::value_and_grads(conv2d_layer(config2, precision), &inputs2)?;
-            assert_matches_direct(&format!("candle conv2d {precision}"), result, &reference2, precision)?;
+            common::conv::assert_matches_direct(
+                &format!("candle conv2d {precision}"),
+                result,
+                &reference2,
+                precision,
+            )?;
             let result = common::value_and_grads(conv1d_layer(config1, precision), &inputs1)?;
-            assert_matches_direct(&format!("candle conv1d {precision}"), result, &reference1, precision)?;
+            common::conv::assert_matches_direct(
+                &format!("candle conv1d {precision}"),
+                result,
+                &reference1,
+                precision,
+            )?;
         }
         Ok(())
     })
@@ -358,7 +338,7 @@ fn under_o2_the_kernels_gradient_leaves_amps_gemm_in_f32_for_the_master() -> amp
 }
 
 #[test]
-fn a_conv1d_input_it_cannot_read_is_refused_in_its_own_terms() -> Result<()> {
+fn a_conv_input_it_cannot_read_is_refused_in_its_own_terms() -> Result<()> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let layer = conv1d(3, 4, 3, Conv1dConfig::default(), vb.pp("c"))?;
@@ -369,5 +349,16 @@ fn a_conv1d_input_it_cannot_read_is_refused_in_its_own_terms() -> Result<()> {
     let err = message(Tensor::zeros((2, 5, 10), DType::F32, &Device::Cpu)?);
     assert!(err.contains("has 5 channels (shape [2, 5, 10]); the layer takes 3"), "{err}");
     assert_eq!(layer.forward(&Tensor::zeros((1, 3, 10), DType::F32, &Device::Cpu)?)?.dims(), &[1, 4, 8]);
+    let grouped = Conv2dConfig { groups: 2, ..Default::default() };
+    let layer = conv2d(4, 6, 3, grouped, vb.pp("d"))?;
+    let err =
+        layer.forward(&Tensor::zeros((4, 8, 8), DType::F32, &Device::Cpu)?).expect_err("rank 3").to_string();
+    assert!(
+        err.contains("Conv2d: the input must be (batch, channels, height, width), got shape [4, 8, 8]"),
+        "{err}"
+    );
+    let err =
+        layer.forward(&Tensor::zeros((1, 2, 8, 8), DType::F32, &Device::Cpu)?).expect_err("2").to_string();
+    assert!(err.contains("has 2 channels (shape [1, 2, 8, 8]); the layer takes 4"), "{err}");
     Ok(())
 }

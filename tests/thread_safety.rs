@@ -12,7 +12,8 @@ mod reliability;
 
 use amp::checkpoint::{CheckpointProblem, CheckpointProblems, LoadOptions, SavedState};
 use amp::nn::{
-    BatchNorm, Conv1d, Conv2d, Dropout, Embedding, GroupNorm, LayerNorm, Linear, MultiHeadAttention, RmsNorm,
+    BatchNorm, Conv1d, Conv2d, ConvTranspose1d, ConvTranspose2d, Dropout, Embedding, GroupNorm, LayerNorm,
+    Linear, MultiHeadAttention, RmsNorm,
 };
 use amp::optim::{
     AdamConfig, FusedAdam, FusedAdamW, FusedLamb, FusedSgd, GroupOptions, LambConfig, OptimParam,
@@ -40,6 +41,8 @@ const _: () = {
     send_sync::<BatchNorm>();
     send_sync::<Conv1d>();
     send_sync::<Conv2d>();
+    send_sync::<ConvTranspose1d>();
+    send_sync::<ConvTranspose2d>();
     send_sync::<Embedding>();
     send_sync::<Dropout>();
     send_sync::<MultiHeadAttention>();

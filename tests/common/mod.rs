@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod conv;
+
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Result, Tensor};

@@ -18,7 +18,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, Conv1dConfig, Conv2dConfig, VarBuilder};
 
-use crate::ops::{self, ConvParams, Operand};
+use crate::ops::{self, ConvParams};
 use crate::{LayerPrecision, Param, Precision};
 
 /// A 1-d convolution with candle-nn's parameter names (`weight`, `bias`), shapes and initialisation.
@@ -155,7 +155,8 @@ impl Conv2d {
 
 impl Module for Conv1d {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.check_input(xs.dims())?;
+        let channels = self.weight.trainable().dim(1)? * self.config.groups;
+        Input::Sequence.check("Conv1d", xs.dims(), channels)?;
         let compute = self.precision.compute;
         let w = self.weight.for_product(compute, xs.device())?;
         let (out, sums) = output_dtypes(self.precision, xs, self.bias.is_some());
@@ -167,11 +168,7 @@ impl Module for Conv1d {
             dilation: [1, c.dilation],
             groups: c.groups,
         };
-        let w2 = Operand {
-            differentiated: w.differentiated.unsqueeze(2)?,
-            values: w.values.as_ref().map(|v| v.unsqueeze(2)).transpose()?,
-        };
-        let y = match ops::conv2d(&xs.unsqueeze(2)?, &w2, params, compute, sums)? {
+        let y = match ops::conv2d(&xs.unsqueeze(2)?, &w.unsqueeze(2)?, params, compute, sums)? {
             Some(y) => y.squeeze(2)?,
             None => {
                 conv1d_through_2d(&xs.to_dtype(compute.dtype())?, &self.weight.in_precision(compute)?, c)?
@@ -181,20 +178,33 @@ impl Module for Conv1d {
     }
 }
 
-impl Conv1d {
-    /// Refuses an input the layer cannot read, in 1-d terms (the op below sees it as 2-d, of height 1).
-    fn check_input(&self, x: &[usize]) -> Result<()> {
-        let &[_, channels, _] = x else {
-            candle_core::bail!(
-                "Conv1d: the input must be (batch, channels, length), got shape {x:?}; a single sequence \
-                 is a batch of one: `.unsqueeze(0)`"
-            );
+/// What a layer's input holds after its batch and channel dimensions: one sequence or one image.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Input {
+    /// `(batch, channels, length)`.
+    Sequence,
+    /// `(batch, channels, height, width)`.
+    Image,
+}
+
+impl Input {
+    /// Refuses an input `x` that is not of this kind or does not have the `channels` the layer `layer`
+    /// reads, in the layer's own terms (a 1-d layer's op sees its input as 2-d, of height 1).
+    pub(super) fn check(self, layer: &str, x: &[usize], channels: usize) -> Result<()> {
+        let (rank, dims, one) = match self {
+            Input::Sequence => (3, "(batch, channels, length)", "sequence"),
+            Input::Image => (4, "(batch, channels, height, width)", "image"),
         };
-        let (_, per_group, _) = self.weight.trainable().dims3()?;
-        let takes = per_group * self.config.groups;
-        if channels != takes {
+        if x.len() != rank {
             candle_core::bail!(
-                "Conv1d: the input has {channels} channels (shape {x:?}); the layer takes {takes}"
+                "{layer}: the input must be {dims}, got shape {x:?}; a single {one} is a batch of one: \
+                 `.unsqueeze(0)`"
+            );
+        }
+        if x[1] != channels {
+            candle_core::bail!(
+                "{layer}: the input has {} channels (shape {x:?}); the layer takes {channels}",
+                x[1]
             );
         }
         Ok(())
@@ -203,6 +213,8 @@ impl Conv1d {
 
 impl Module for Conv2d {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let channels = self.weight.trainable().dim(1)? * self.config.groups;
+        Input::Image.check("Conv2d", xs.dims(), channels)?;
         let compute = self.precision.compute;
         let w = self.weight.for_product(compute, xs.device())?;
         let (out, sums) = output_dtypes(self.precision, xs, self.bias.is_some());
@@ -224,7 +236,7 @@ impl Module for Conv2d {
 /// The layer's output dtype, and the dtype amp's GEMM writes the products in: the output's, or f32
 /// when a bias follows, so that the bias is added to the f32 sums and the result rounded once (a GEMM
 /// epilogue's order, as [`super::Linear`]'s).
-fn output_dtypes(precision: LayerPrecision, xs: &Tensor, has_bias: bool) -> (DType, DType) {
+pub(super) fn output_dtypes(precision: LayerPrecision, xs: &Tensor, has_bias: bool) -> (DType, DType) {
     let out = precision.output.map_or(xs.dtype(), |p| p.dtype());
     (out, if has_bias { DType::F32 } else { out })
 }
@@ -260,7 +272,7 @@ fn conv1d_through_2d(x: &Tensor, w: &Tensor, c: &Conv1dConfig) -> Result<Tensor>
 /// result's dtype (a GEMM epilogue's order). Adding in f32 also makes the bias gradient, a sum over
 /// batch and positions, accumulate in f32 rather than in the half dtype; under O2 on amp's GEMM it
 /// reaches the fp32 master in f32 ([`Param::as_f32_addend`]).
-fn add_bias(y: Tensor, bias: Option<&Param>, rank: usize, compute: Precision) -> Result<Tensor> {
+pub(super) fn add_bias(y: Tensor, bias: Option<&Param>, rank: usize, compute: Precision) -> Result<Tensor> {
     let Some(bias) = bias else { return Ok(y) };
     let bias = bias.as_f32_addend(compute, y.device())?;
     let mut shape = vec![1; rank];

@@ -7,7 +7,9 @@
 //! [`RmsNorm`]) compute their statistics in fp32 and are pinned there.
 //!
 //! Also: [`Conv1d`] and [`Conv2d`] (half-safe; on the CPU im2col + amp's GEMM with a backward through
-//! it, bf16 included, where candle's own conv2d refuses bf16),
+//! it, bf16 included, where candle's own conv2d refuses bf16), [`ConvTranspose1d`] and
+//! [`ConvTranspose2d`] (half-safe; the same GEMM, as the adjoint of a convolution: candle's own have no
+//! 1-d backward),
 //! [`BatchNorm`] and [`GroupNorm`] (pinned fp32; BatchNorm's running statistics are f32 buffers),
 //! [`Dropout`] (half-safe, no parameters), and the composite [`MultiHeadAttention`] (half-safe; its
 //! softmax runs in f32).
@@ -64,6 +66,7 @@ macro_rules! leaf_layer {
 mod attention;
 mod batch_norm;
 mod conv;
+mod conv_transpose;
 mod dropout;
 mod embedding;
 mod group_norm;
@@ -75,8 +78,14 @@ mod rms_norm;
 
 pub use attention::{multi_head_attention, MultiHeadAttention};
 pub use batch_norm::{batch_norm, BatchNorm};
-pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig};
+pub use candle_nn::{
+    BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose1dConfig, ConvTranspose2dConfig,
+};
 pub use conv::{conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, Conv1d, Conv2d};
+pub use conv_transpose::{
+    conv_transpose1d, conv_transpose1d_no_bias, conv_transpose2d, conv_transpose2d_no_bias, ConvTranspose1d,
+    ConvTranspose2d,
+};
 pub use dropout::Dropout;
 pub use embedding::{embedding, Embedding};
 pub use group_norm::{group_norm, GroupNorm};

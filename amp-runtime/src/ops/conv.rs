@@ -68,7 +68,7 @@ pub(crate) fn conv2d(
 
 /// A convolution's sizes, checked: `x (batch, in, h, w)`, `w (out, in / groups, kh, kw)`.
 #[derive(Clone, Copy, Debug)]
-struct Geometry {
+pub(super) struct Geometry {
     batch: usize,
     outputs: usize,
     groups: usize,
@@ -77,7 +77,7 @@ struct Geometry {
 }
 
 impl Geometry {
-    fn new(params: ConvParams, x: &[usize], w: &[usize]) -> Result<Geometry> {
+    pub(super) fn new(params: ConvParams, x: &[usize], w: &[usize]) -> Result<Geometry> {
         let (&[batch, channels, height, width], &[outputs, per_group, kh, kw]) = (x, w) else {
             return Err(conv_error(format!("input {x:?} and kernel {w:?} must both have rank 4")));
         };
@@ -108,7 +108,7 @@ impl Geometry {
     }
 
     /// One group's product for one image: `(out / groups) x positions`, summing `patch / groups`.
-    fn product(&self) -> Dims {
+    pub(super) fn product(&self) -> Dims {
         Dims::new(self.outputs / self.groups, self.positions, self.group_patch())
     }
 
@@ -146,25 +146,32 @@ impl Geometry {
         Dims::batched(self.groups, dims.m, dims.n, dims.k)
     }
 
-    fn output_shape(&self) -> Shape {
-        let [rows, cols] = self.shape.output().unwrap_or_default();
+    /// `(batch, out, output rows, output columns)`.
+    pub(super) fn output_shape(&self) -> Shape {
+        let [rows, cols] = self.output();
         (self.batch, self.outputs, rows, cols).into()
+    }
+
+    /// Output rows and columns ([`Geometry::new`] checked that there are some).
+    pub(super) fn output(&self) -> [usize; 2] {
+        self.shape.output().unwrap_or_default()
     }
 }
 
-fn conv_error(message: String) -> candle_core::Error {
+pub(super) fn conv_error(message: String) -> candle_core::Error {
     candle_core::Error::Msg(format!("amp conv: {message}"))
 }
 
 /// The candle op: `x ⋆ w` per image, one batched GEMM over the groups.
 #[derive(Clone, Debug)]
-struct ConvOp {
-    path: GemmPath,
-    compute: Compute,
-    params: ConvParams,
-    out: DType,
+pub(super) struct ConvOp {
+    pub path: GemmPath,
+    pub compute: Compute,
+    pub params: ConvParams,
+    /// The result's dtype.
+    pub out: DType,
     /// Where the weight's values are read, when not from the weight itself ([`Operand::values`]).
-    values: Option<Tensor>,
+    pub values: Option<Tensor>,
 }
 
 impl CustomOp2 for ConvOp {
@@ -259,11 +266,32 @@ impl CustomOp2 for ConvInputGradient {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x_dims = [self.x.0, self.x.1, self.x.2, self.x.3];
-        let g = Geometry::new(self.op.params, &x_dims, l2.dims())?;
+        self.op.input_gradient(self.x, self.dtype, (s1, l1), (s2, l2))
+    }
+}
+
+impl ConvOp {
+    /// `dX (x dims, dtype)` from `dY` and `W`: per image, `W_g^T · dY_g` into f32 columns, folded onto
+    /// the image and rounded once. Also a transposed convolution's forward
+    /// ([`super::conv_transpose2d`]), which is this map.
+    pub(super) fn input_gradient(
+        &self,
+        x: (usize, usize, usize, usize),
+        dtype: DType,
+        (s1, l1): (&CpuStorage, &Layout),
+        (s2, l2): (&CpuStorage, &Layout),
+    ) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(self.params, &[x.0, x.1, x.2, x.3], l2.dims())?;
         let (dy, w) = (contiguous(s1, l1)?, contiguous(s2, l2)?);
         let (image, block) = (g.shape.image_len(), g.outputs * g.positions);
-        let mut dx = Buffer::zeros(self.dtype, g.batch * image)?;
+        if l1.dims() != g.output_shape().dims() {
+            return Err(conv_error(format!(
+                "the output's gradient is {:?}, the convolution's output {:?}",
+                l1.dims(),
+                g.output_shape().dims()
+            )));
+        }
+        let mut dx = Buffer::zeros(dtype, g.batch * image)?;
         let mut columns =
             if g.is_pointwise() { Vec::new() } else { vec![0.0f32; g.shape.patch_len() * g.positions] };
         let one = g.product();
@@ -275,22 +303,22 @@ impl CustomOp2 for ConvInputGradient {
             if g.is_pointwise() {
                 // The columns' gradient is the image's: written (rounded once) straight into dX.
                 let c = MatMut::row_major(dx.range(b * image, image), one.n).with_batch_stride(one.k * one.n);
-                self.op.gemm(g.batched(dims), w_t, dy_b, c, Start::Zero)?;
+                self.gemm(g.batched(dims), w_t, dy_b, c, Start::Zero)?;
                 continue;
             }
             let c = MatMut::row_major(&mut columns[..], one.n).with_batch_stride(one.k * one.n);
-            self.op.gemm(g.batched(dims), w_t, dy_b, c, Start::Zero)?;
+            self.gemm(g.batched(dims), w_t, dy_b, c, Start::Zero)?;
             fold(&g.shape, &columns, dx.range(b * image, image)).map_err(candle_core::Error::wrap)?;
         }
-        Ok((dx.into_storage(), Shape::from(self.x)))
+        Ok((dx.into_storage(), Shape::from(x)))
     }
 }
 
 /// `dW` (f32) from `(x, dY)`: the images' `dY_g · columns_g^T` summed into one f32 accumulator.
-struct ConvWeightGradient {
-    op: ConvOp,
+pub(super) struct ConvWeightGradient {
+    pub op: ConvOp,
     /// The kernel's dims.
-    w: (usize, usize, usize, usize),
+    pub w: (usize, usize, usize, usize),
 }
 
 impl CustomOp2 for ConvWeightGradient {

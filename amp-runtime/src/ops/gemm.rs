@@ -45,6 +45,14 @@ impl Operand {
         Operand { differentiated: t.clone(), values: None }
     }
 
+    /// The operand with a dimension of size 1 inserted at `dim`.
+    pub fn unsqueeze(&self, dim: usize) -> Result<Self> {
+        Ok(Operand {
+            differentiated: self.differentiated.unsqueeze(dim)?,
+            values: self.values.as_ref().map(|v| v.unsqueeze(dim)).transpose()?,
+        })
+    }
+
     /// The operand transposed (its last two dimensions).
     pub fn t(&self) -> Result<Self> {
         Ok(Operand {

@@ -34,6 +34,7 @@ mod buffer;
 mod channel_affine;
 mod column_sums;
 mod conv;
+mod conv_transpose;
 mod elementwise;
 mod embedding;
 mod fp32;
@@ -58,6 +59,7 @@ pub(crate) use attention::attention_of_heads;
 pub use attention::scaled_dot_product_attention;
 pub(crate) use channel_affine::channel_affine;
 pub(crate) use conv::{conv2d, ConvParams};
+pub(crate) use conv_transpose::conv_transpose2d;
 pub(crate) use embedding::embedding;
 pub use fp32::{
     cumsum, exp, log, log_softmax, mean, mean_all, mean_keepdim, norm, pow, softmax, std, sum, sum_all,
