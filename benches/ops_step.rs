@@ -2,7 +2,9 @@
 //! side by side in one run: `LayerNorm` and `RmsNorm` over (4096, 1024) (a transformer's tokens),
 //! `GroupNorm` with 32 groups over (8, 256, 32, 32) and `BatchNorm` in training over (32, 64, 32, 32)
 //! (a convnet's maps), SiLU over (4096, 2816) (a SwiGLU block's gate, f32 and bf16) and rotary
-//! embeddings over (8, 12, 512, 64) (queries of BERT-base's shape, f32 and bf16).
+//! embeddings over (8, 12, 512, 64) (queries of BERT-base's shape, f32 and bf16), and max and
+//! average pooling 2 x 2 at stride 2 over (8, 64, 112, 112) (the windows candle can differentiate:
+//! its backward refuses any other; f32, and max in bf16).
 //!
 //! candle's contender is `candle_nn`'s layer where it has a backward (`GroupNorm`, `BatchNorm`),
 //! `Tensor::silu`, candle-nn's differentiable `rope_slow` for the rotation (its `rope` kernel has no
@@ -145,13 +147,35 @@ fn channel_norms() -> Result<[Case; 2]> {
     Ok([group, batch])
 }
 
+/// Pooling 2 x 2 at stride 2 over (8, 64, 112, 112): max in f32 and bf16, average in f32.
+fn pooling() -> Result<Vec<Case>> {
+    let mut cases = Vec::new();
+    let dims = [8, 64, 112, 112];
+    for (name, dtype, max) in [
+        ("MaxPool 2x2/2 (8, 64, 112, 112)", DType::F32, true),
+        ("MaxPool 2x2/2 (8, 64, 112, 112) bf16", DType::BF16, true),
+        ("AvgPool 2x2/2 (8, 64, 112, 112)", DType::F32, false),
+    ] {
+        let x = Var::from_tensor(&Tensor::randn(0f32, 2.0, &dims[..], &Device::Cpu)?.to_dtype(dtype)?)?;
+        let r = Tensor::randn(0f32, 1.0, (8, 64, 56, 56), &Device::Cpu)?;
+        let (amp, candle): (Step, Step) = if max {
+            (step(&x, &r, |x| amp::ops::max_pool2d(x, 2, 2, 0)), step(&x, &r, |x| x.max_pool2d(2)))
+        } else {
+            (step(&x, &r, |x| amp::ops::avg_pool2d(x, 2, 2, 0)), step(&x, &r, |x| x.avg_pool2d(2)))
+        };
+        cases.push(Case { name, amp, candle });
+    }
+    Ok(cases)
+}
+
 fn main() -> Result<()> {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().map_err(candle_core::Error::wrap)?;
     pool.install(run)
 }
 
 fn run() -> Result<()> {
-    let cases: Vec<Case> = row_norms()?.into_iter().chain(channel_norms()?).chain(pointwise()?).collect();
+    let cases: Vec<Case> =
+        row_norms()?.into_iter().chain(channel_norms()?).chain(pointwise()?).chain(pooling()?).collect();
     println!("ops step (forward + backward; f32 unless named), 2 threads, {ROUNDS} rounds, medians in ms");
     let mut harness = Interleaved::new(2 * cases.len(), 1);
     for _ in 0..ROUNDS + 1 {

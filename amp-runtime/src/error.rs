@@ -514,6 +514,16 @@ pub enum Error {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 
+    /// The backward pass met an op of the forward pass that candle cannot differentiate, for which
+    /// amp has one that it can.
+    #[error("the backward pass failed: {candle}; amp's {instead} computes it with a backward")]
+    NoBackward {
+        /// candle's error.
+        candle: candle_core::Error,
+        /// amp's replacement, and what it takes.
+        instead: &'static str,
+    },
+
     // ---- ops refused in half precision ----
     /// `binary_cross_entropy` on probabilities stored in half precision (Apex and autocast ban it too).
     #[error(

@@ -62,12 +62,12 @@ pub(crate) type Sums = HashMap<TensorId, Tensor>;
 
 /// `loss.backward()`, with the gradients amp's product ops deposit merged in: what candle's pass
 /// alone would return, computed with less memory traffic.
-pub(crate) fn backward(loss: &Tensor) -> Result<GradStore> {
+pub(crate) fn backward(loss: &Tensor) -> crate::Result<GradStore> {
     Ok(backward_pass(loss, false)?.0)
 }
 
 /// [`backward`], and which of the gradients in the store were found all finite when deposited.
-pub(crate) fn backward_checked(loss: &Tensor) -> Result<(GradStore, CheckedFinite)> {
+pub(crate) fn backward_checked(loss: &Tensor) -> crate::Result<(GradStore, CheckedFinite)> {
     backward_pass(loss, true)
 }
 
@@ -76,7 +76,7 @@ pub(crate) fn backward_checked(loss: &Tensor) -> Result<(GradStore, CheckedFinit
 /// op can add them itself ([`sum_for`]): the store then holds no gradient for a variable whose every
 /// part was added, and the parts it holds are still to be added. The sums are written in place as the
 /// pass runs: after an error they may hold some of the parts.
-pub(crate) fn backward_adding(loss: &Tensor, sums: Sums) -> Result<GradStore> {
+pub(crate) fn backward_adding(loss: &Tensor, sums: Sums) -> crate::Result<GradStore> {
     let _given = SumsGiven(Some(SUMS.replace(sums)));
     Ok(backward_pass(loss, false)?.0)
 }
@@ -99,11 +99,11 @@ pub(crate) fn sum_for(var: &Tensor) -> Option<Tensor> {
 }
 
 /// The pass, each deposit checked when `check`.
-fn backward_pass(loss: &Tensor, check: bool) -> Result<(GradStore, CheckedFinite)> {
+fn backward_pass(loss: &Tensor, check: bool) -> crate::Result<(GradStore, CheckedFinite)> {
     let open = Open::new(check);
     let grads = loss.backward();
     let sunk = open.close();
-    let mut grads = grads?;
+    let mut grads = grads.map_err(with_replacement)?;
     let mut finite = CheckedFinite::default();
     for Deposit { var, grad, finite: checked } in sunk.into_values() {
         // Another op may have given the same variable a gradient through candle's store.
@@ -119,6 +119,24 @@ fn backward_pass(loss: &Tensor, check: bool) -> Result<(GradStore, CheckedFinite
         grads.insert(&var, grad);
     }
     Ok((grads, finite))
+}
+
+/// candle's backward error, naming amp's differentiable replacement where candle has no backward for
+/// an op amp has (candle 0.11.1's messages).
+fn with_replacement(candle: candle_core::Error) -> crate::Error {
+    const REPLACEMENTS: [(&str, &str); 4] = [
+        ("for conv-transpose1d", "nn::ConvTranspose1d (candle-nn's names, shapes and configuration)"),
+        ("for maxpool2d", "ops::max_pool2d (any window, stride and padding; ops::max_pool1d in 1-d)"),
+        ("for avgpool2d", "ops::avg_pool2d (any window, stride and padding; ops::avg_pool1d in 1-d)"),
+        ("for upsample_bilinear2d", "ops::upsample_bilinear2d (candle's arguments and values)"),
+    ];
+    let message = candle.to_string();
+    let replacement =
+        message.contains("backward").then(|| REPLACEMENTS.iter().find(|(op, _)| message.contains(op)));
+    match replacement.flatten() {
+        Some(&(_, instead)) => crate::Error::NoBackward { candle, instead },
+        None => crate::Error::Candle(candle),
+    }
 }
 
 /// The gradient `grad` of an op's argument `arg`: taken into the sink (`None`) when `arg` is a
@@ -203,6 +221,32 @@ mod tests {
 
     fn fp32() -> Precision {
         Precision::Fp32
+    }
+
+    #[test]
+    fn candles_missing_backwards_name_amps_replacements() -> Result<()> {
+        let x = Var::from_tensor(&Tensor::ones((1, 2, 6, 6), DType::F32, &Device::Cpu)?)?;
+        let x = x.as_tensor();
+        let k1 = Tensor::ones((2, 3, 3), DType::F32, &Device::Cpu)?;
+        let cases = [
+            (
+                x.squeeze(0)?.unsqueeze(0)?.flatten_from(2)?.conv_transpose1d(&k1, 0, 0, 1, 1, 1)?,
+                "nn::ConvTranspose1d",
+            ),
+            (x.max_pool2d_with_stride(3, 2)?, "ops::max_pool2d"),
+            (x.avg_pool2d_with_stride(3, 1)?, "ops::avg_pool2d"),
+            (x.upsample_bilinear2d(12, 12, false)?, "ops::upsample_bilinear2d"),
+        ];
+        for (y, instead) in cases {
+            let err = super::backward(&y.sum_all()?).expect_err("candle 0.11.1 has no backward for it");
+            let crate::Error::NoBackward { instead: named, .. } = &err else { panic!("{err}") };
+            assert!(named.starts_with(instead), "{err}");
+        }
+        // Any other stays candle's.
+        let y = x.upsample_nearest2d(9, 9)?;
+        let err = super::backward(&y.sum_all()?).expect_err("candle 0.11.1: nearest by whole factors only");
+        assert!(matches!(err, crate::Error::Candle(_)), "{err}");
+        Ok(())
     }
 
     /// A weight used twice, a bias, a variable input and a variable right operand of a product.

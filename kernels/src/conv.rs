@@ -97,7 +97,7 @@ impl ConvShape {
     }
 
     /// Kernel tap `tap` (row-major over the kernel) as its kernel row and its line along the width.
-    fn tap(&self, tap: usize) -> (usize, Line) {
+    pub(crate) fn tap(&self, tap: usize) -> (usize, Line) {
         let (i, j) = (tap / self.kernel[1], tap % self.kernel[1]);
         let line = Line {
             width: self.width,
@@ -109,7 +109,7 @@ impl ConvShape {
     }
 
     /// The image row that output row `oh` reads with kernel row `i`; `None` in the padding.
-    fn image_row(&self, i: usize, oh: usize) -> Option<usize> {
+    pub(crate) fn image_row(&self, i: usize, oh: usize) -> Option<usize> {
         (oh * self.stride[0] + i * self.dilation[0]).checked_sub(self.padding[0]).filter(|&h| h < self.height)
     }
 
@@ -202,16 +202,16 @@ pub fn fold(shape: &ConvShape, columns: &[f32], image: GradSliceMut<'_>) -> Resu
 /// One row of the image against one row of output positions along the width: output position `ow`
 /// reads column `ow * stride + offset - pad` (`offset` = the tap's `j * dilation`).
 #[derive(Clone, Copy)]
-struct Line {
+pub(crate) struct Line {
     width: usize,
     offset: usize,
     pad: usize,
-    stride: usize,
+    pub(crate) stride: usize,
 }
 
 impl Line {
     /// The output positions `first..end` (of `positions`) that read inside the image.
-    fn inside(self, positions: usize) -> (usize, usize) {
+    pub(crate) fn inside(self, positions: usize) -> (usize, usize) {
         let first = self.pad.saturating_sub(self.offset).div_ceil(self.stride).min(positions);
         // ow * stride + offset - pad < width  <=>  ow < (width + pad - offset) / stride, rounded up.
         let end = (self.width + self.pad).saturating_sub(self.offset).div_ceil(self.stride);
@@ -219,7 +219,7 @@ impl Line {
     }
 
     /// The image column that output position `ow` (inside) reads.
-    fn column(self, ow: usize) -> usize {
+    pub(crate) fn column(self, ow: usize) -> usize {
         ow * self.stride + self.offset - self.pad
     }
 }

@@ -74,6 +74,7 @@ mod mul_add;
 pub mod norm;
 pub mod optim;
 mod par;
+pub mod pool;
 mod portable;
 pub mod reduce;
 pub mod reference;

@@ -9,6 +9,8 @@
 //! | promote | [`add`], [`sub`], [`mul`], [`div`], [`cat`], [`stack`], [`maximum`], [`minimum`] | inputs cast to the widest float dtype among them |
 //! | activation | [`gelu()`], [`relu()`], [`silu()`] | computed in f32 in one pass (backward too), result in the input's dtype |
 //! | position | [`rope()`], [`rope_i`], [`rope_thd`] | rotated in f32 in one pass (backward too), result in the input's dtype |
+//! | pooling | [`max_pool2d`], [`avg_pool2d`], [`max_pool1d`], [`avg_pool1d`] | windows of any size, stride and padding in f32 in one pass (backward too), result in the input's dtype |
+//! | resize | [`upsample_bilinear2d`], [`upsample_bilinear2d_with_scale`] | blended in f32 with differentiable candle ops, result in the input's dtype |
 //!
 //! Why fp32 for the second class: candle reduces in the storage dtype, so on CPU the sum of 10,000 ones
 //! is 2048 in f16 and 256 in bf16 (the accumulator stops growing once the increment is below half an
@@ -47,12 +49,14 @@ pub mod loss;
 pub(crate) mod mlp;
 mod norm_head;
 mod padded;
+mod pool;
 mod projection;
 mod promote;
 mod relu;
 mod rope;
 mod self_attention;
 mod silu;
+mod upsample;
 mod working_values;
 
 pub(crate) use attention::attention_of_heads;
@@ -70,11 +74,13 @@ pub use gemm::matmul_to;
 pub(crate) use gemm::{Epilogue, Operand};
 pub(crate) use layer_norm::{layer_norm, normalise_rows, rms_norm};
 pub(crate) use norm_head::Norm;
+pub use pool::{avg_pool1d, avg_pool2d, max_pool1d, max_pool2d};
 pub(crate) use projection::Projection;
 pub use promote::{add, cat, div, maximum, minimum, mul, stack, sub, widest_dtype};
 pub use relu::relu;
 pub use rope::{rope, rope_i, rope_tables, rope_tables_of, rope_thd};
 pub use silu::silu;
+pub use upsample::{upsample_bilinear2d, upsample_bilinear2d_with_scale};
 pub(crate) use working_values::read_through_master;
 
 use candle_core::{DType, Result, Tensor};

@@ -282,7 +282,6 @@ impl GradScaler {
         // in the product itself. An error after that leaves sums partly added: the window is emptied.
         let passed =
             crate::gradient_sink::backward_adding(&self.scale_loss(loss)?, accumulator.running_sums())
-                .map_err(Error::from)
                 .and_then(|mut grads| crate::grads_to_masters(model, &mut grads).map(|()| grads));
         let grads = match passed {
             Ok(grads) => grads,
