@@ -79,6 +79,7 @@ mod portable;
 pub mod reduce;
 pub mod reference;
 pub mod relu;
+pub mod resize;
 pub mod rms_norm;
 pub mod rope;
 pub mod scale;

@@ -34,7 +34,9 @@
 
 use rayon::prelude::*;
 
-use crate::conv::ConvShape;
+use std::ops::Range;
+
+use crate::conv::{ConvShape, Line};
 use crate::slices::Float;
 use crate::{GradSlice, GradSliceMut};
 
@@ -172,10 +174,10 @@ impl<'a> Planes<'a> {
             let sums = &mut work.values;
             sums.clear();
             sums.resize(plane_out, 0.0);
-            self.for_each_tap(|_, src_row, out_row, first, end, line| {
-                let src = &x[src_row * self.shape.width..][..self.shape.width];
-                for (ow, o) in (first..end).zip(&mut sums[out_row * self.cols..][first..end]) {
-                    *o += src[line.column(ow)];
+            self.for_each_tap(|t| {
+                let src = self.image_row(x, t.image_row);
+                for (ow, o) in t.columns.clone().zip(&mut sums[t.output_row * self.cols..][t.columns]) {
+                    *o += src[t.line.column(ow)];
                 }
             });
             sums.iter_mut().for_each(|s| *s /= size);
@@ -196,10 +198,10 @@ impl<'a> Planes<'a> {
             let sums = &mut work.sums;
             sums.clear();
             sums.resize(plane_in, 0.0);
-            self.for_each_tap(|_, src_row, out_row, first, end, line| {
-                let row = &mut sums[src_row * self.shape.width..][..self.shape.width];
-                for (ow, &g) in (first..end).zip(&shares[out_row * self.cols..][first..end]) {
-                    row[line.column(ow)] += g;
+            self.for_each_tap(|t| {
+                let row = &mut sums[t.image_row * self.shape.width..][..self.shape.width];
+                for (ow, &g) in t.columns.clone().zip(&shares[t.output_row * self.cols..][t.columns]) {
+                    row[t.line.column(ow)] += g;
                 }
             });
             T::narrow(sums, dx);
@@ -210,17 +212,17 @@ impl<'a> Planes<'a> {
     fn window_max(&self, x: &[f32], best: &mut Vec<f32>) {
         best.clear();
         best.resize(self.plane_out(), f32::NEG_INFINITY);
-        self.for_each_tap(|_, src_row, out_row, first, end, line| {
-            let src = &x[src_row * self.shape.width..][..self.shape.width];
-            let out = &mut best[out_row * self.cols..][first..end];
+        self.for_each_tap(|t| {
+            let src = self.image_row(x, t.image_row);
+            let out = &mut best[t.output_row * self.cols..][t.columns.clone()];
             let wins = |v: f32, b: f32| v > b || v.is_nan();
-            if line.stride == 1 {
-                for (b, &v) in out.iter_mut().zip(&src[line.column(first)..]) {
+            if t.line.stride == 1 {
+                for (b, &v) in out.iter_mut().zip(&src[t.line.column(t.columns.start)..]) {
                     *b = if wins(v, *b) { v } else { *b };
                 }
             } else {
-                for (ow, b) in (first..end).zip(out) {
-                    let v = src[line.column(ow)];
+                for (ow, b) in t.columns.zip(out) {
+                    let v = src[t.line.column(ow)];
                     *b = if wins(v, *b) { v } else { *b };
                 }
             }
@@ -236,12 +238,12 @@ impl<'a> Planes<'a> {
         best.resize(self.plane_out(), f32::NEG_INFINITY);
         winners.clear();
         winners.resize(self.plane_out(), NONE);
-        self.for_each_tap(|_, src_row, out_row, first, end, line| {
-            let row = src_row * self.shape.width;
-            let at = out_row * self.cols;
-            let out = best[at..][first..end].iter_mut().zip(&mut winners[at..][first..end]);
-            for (ow, (b, w)) in (first..end).zip(out) {
-                let column = line.column(ow);
+        self.for_each_tap(|t| {
+            let row = t.image_row * self.shape.width;
+            let at = t.output_row * self.cols;
+            let out = best[at..][t.columns.clone()].iter_mut().zip(&mut winners[at..][t.columns.clone()]);
+            for (ow, (b, w)) in t.columns.zip(out) {
+                let column = t.line.column(ow);
                 let v = x[row + column];
                 if v > *b || (v.is_nan() && !b.is_nan()) || *w == NONE {
                     *b = v;
@@ -251,23 +253,36 @@ impl<'a> Planes<'a> {
         });
     }
 
-    /// Calls `f(tap, image row, output row, first, end, line)` for each kernel tap (row-major) and
-    /// each output row whose window row `tap` reads inside the image: output columns `first..end`
-    /// read inside it, column `line.column(ow)`.
-    fn for_each_tap(&self, mut f: impl FnMut(usize, usize, usize, usize, usize, crate::conv::Line)) {
+    /// Row `row` of the f32 plane `x`.
+    fn image_row<'x>(&self, x: &'x [f32], row: usize) -> &'x [f32] {
+        &x[row * self.shape.width..][..self.shape.width]
+    }
+
+    /// Calls `f` for each kernel tap (row-major) and each output row whose window row that tap reads
+    /// inside the image.
+    fn for_each_tap(&self, mut f: impl FnMut(TapRow)) {
         for tap in 0..self.shape.kernel[0] * self.shape.kernel[1] {
             let (i, line) = self.shape.tap(tap);
             let (first, end) = line.inside(self.cols);
             if first == end {
                 continue;
             }
-            for oh in 0..self.rows {
-                if let Some(h) = self.shape.image_row(i, oh) {
-                    f(tap, h, oh, first, end, line);
+            for output_row in 0..self.rows {
+                if let Some(image_row) = self.shape.image_row(i, output_row) {
+                    f(TapRow { image_row, output_row, columns: first..end, line });
                 }
             }
         }
     }
+}
+
+/// One kernel tap over one output row: output columns `columns` read image row `image_row`, output
+/// column `ow` at column `line.column(ow)`.
+struct TapRow {
+    image_row: usize,
+    output_row: usize,
+    columns: Range<usize>,
+    line: Line,
 }
 
 /// A worker's buffers, reused from plane to plane.

@@ -3,14 +3,20 @@
 //! a U-Net's, an FPN's or a segmentation head's resize never train through it.
 //!
 //! The same interpolation (PyTorch's `interpolate(mode="bilinear")`: source coordinate
-//! `(o + 0.5) in / out - 0.5`, clamped at 0, or `o (in - 1) / (out - 1)` with `align_corners`), written
-//! as differentiable candle ops, one spatial dimension at a time: the two neighbouring rows gathered
-//! with `index_select` and blended, `a (1 - t) + b t`, then the columns. It runs on any device; the
-//! blend is computed in f32 (f64 for f64 input) and rounded once into the input's dtype, so a bf16
-//! image is not blended in bf16. The backward is candle's for those ops: each output's gradient
-//! spread over its four sources with the same weights.
+//! `(o + 0.5) in / out - 0.5`, clamped at 0, or `o (in - 1) / (out - 1)` with `align_corners`), one
+//! spatial dimension at a time: each output row blends its two neighbouring input rows,
+//! `a (1 - t) + b t`, then each output column two columns of that. In f32 (f64 for f64 input), rounded
+//! once into the input's dtype, so a bf16 image is not blended in bf16. On the CPU one op each way
+//! ([`amp_kernels::resize`]; the backward spreads each output's gradient over its four sources with the
+//! same weights); elsewhere (CUDA, f64) the same blend as differentiable candle ops (`index_select`, a
+//! broadcast product and a sum), whose forward gives the same bits in f32.
 
-use candle_core::{DType, Result, Tensor};
+use amp_kernels::resize::{self, Planes, Taps};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+
+use super::buffer::Buffer;
+use super::elementwise::elements;
 
 /// `x` `(batch, channels, height, width)` resized to `(target_h, target_w)` by bilinear
 /// interpolation, as candle's `Tensor::upsample_bilinear2d` (the same arguments and values, to f32
@@ -105,28 +111,28 @@ impl Axis {
         }
     }
 
-    /// For each output element: its two neighbouring input elements and the second's weight.
-    fn sources(&self) -> (Vec<u32>, Vec<u32>, Vec<f64>) {
+    /// For each output element: its two neighbouring input elements and the second's weight (computed
+    /// in f64, rounded once to f32).
+    fn taps(&self) -> Taps {
         let step = self.step();
-        let mut sources = (Vec::new(), Vec::new(), Vec::new());
+        let mut taps = Taps::default();
         for o in 0..self.output {
             let at = if self.align_corners { step * o as f64 } else { step * (o as f64 + 0.5) - 0.5 };
             let at = at.max(0.0);
             let first = (at.floor() as usize).min(self.input - 1);
-            let second = (first + 1).min(self.input - 1);
-            sources.0.push(first as u32);
-            sources.1.push(second as u32);
-            sources.2.push((at - first as f64).clamp(0.0, 1.0));
+            taps.first.push(first as u32);
+            taps.second.push((first + 1).min(self.input - 1) as u32);
+            taps.weight.push((at - first as f64).clamp(0.0, 1.0) as f32);
         }
-        sources
+        taps
     }
 
-    /// `x` resized along dimension `dim`: each output element blends its two sources.
+    /// `x` resized along dimension `dim` with candle ops: each output element blends its two sources.
     fn apply(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
         if self.input == self.output && self.scale.is_none() {
             return Ok(x.clone());
         }
-        let (first, second, weight) = self.sources();
+        let Taps { first, second, weight } = self.taps();
         let device = x.device();
         let index = |v: Vec<u32>| Tensor::from_vec(v, self.output, device);
         let mut shape = vec![1; x.rank()];
@@ -142,7 +148,95 @@ fn resize(x: &Tensor, rows: Axis, cols: Axis) -> Result<Tensor> {
     if rows.output == 0 || cols.output == 0 {
         candle_core::bail!("upsample_bilinear2d: a target size of {} x {}", rows.output, cols.output);
     }
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        let op = BilinearOp { rows: rows.taps(), cols: cols.taps() };
+        return x.contiguous()?.apply_op1(op);
+    }
     let work = if x.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
     let y = cols.apply(&rows.apply(&x.to_dtype(work)?, 2)?, 3)?;
     y.to_dtype(x.dtype())
+}
+
+/// The CPU op: `(batch, channels, height, width)` to `(batch, channels, rows, cols)`.
+#[derive(Clone, Debug)]
+struct BilinearOp {
+    rows: Taps,
+    cols: Taps,
+}
+
+impl BilinearOp {
+    fn planes(&self, dims: &[usize]) -> Planes<'_> {
+        Planes {
+            count: dims[0] * dims[1],
+            height: dims[2],
+            width: dims[3],
+            rows: &self.rows,
+            cols: &self.cols,
+        }
+    }
+}
+
+impl CustomOp1 for BilinearOp {
+    fn name(&self) -> &'static str {
+        "amp-upsample-bilinear"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = elements(storage, layout)?;
+        let dims = layout.dims();
+        let shape = Shape::from((dims[0], dims[1], self.rows.len(), self.cols.len()));
+        let mut y = Buffer::zeros(storage.dtype(), shape.elem_count())?;
+        resize::bilinear_forward(&self.planes(dims), x, y.as_mut());
+        Ok((y.into_storage(), shape))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(dy.contiguous()?.apply_op1_no_bwd(&BilinearBackward { op: self.clone(), x: x.clone() })?))
+    }
+}
+
+/// `dx` in `x`'s dtype and shape from `dy`.
+struct BilinearBackward {
+    op: BilinearOp,
+    x: Tensor,
+}
+
+impl CustomOp1 for BilinearBackward {
+    fn name(&self) -> &'static str {
+        "amp-upsample-bilinear-backward"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let dy = elements(storage, layout)?;
+        let mut dx = Buffer::zeros(self.x.dtype(), self.x.elem_count())?;
+        resize::bilinear_backward(&self.op.planes(self.x.dims()), dy, dx.as_mut());
+        Ok((dx.into_storage(), self.x.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Axis;
+    use candle_core::{DType, Device, Result, Tensor};
+
+    /// The CPU op and the candle ops other devices run compute the same f32 operations in the same
+    /// order: the same bits, forward.
+    #[test]
+    fn the_cpu_op_and_the_composed_ops_give_the_same_bits() -> Result<()> {
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 7, 9), &Device::Cpu)?;
+        for (rows, cols) in [((7, 14), (9, 18)), ((7, 5), (9, 23)), ((7, 1), (9, 9))] {
+            for align_corners in [false, true] {
+                let axis = |(input, output)| Axis { input, output, align_corners, scale: None };
+                let (rows, cols) = (axis(rows), axis(cols));
+                let fused = super::resize(&x, rows, cols)?;
+                let composed = cols.apply(&rows.apply(&x, 2)?, 3)?;
+                let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                    Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+                };
+                assert_eq!(bits(&fused)?, bits(&composed)?, "{rows:?} {cols:?}");
+                assert_eq!(fused.dtype(), DType::F32);
+            }
+        }
+        Ok(())
+    }
 }
