@@ -229,10 +229,7 @@ mod tests {
         let x = x.as_tensor();
         let k1 = Tensor::ones((2, 3, 3), DType::F32, &Device::Cpu)?;
         let cases = [
-            (
-                x.squeeze(0)?.unsqueeze(0)?.flatten_from(2)?.conv_transpose1d(&k1, 0, 0, 1, 1, 1)?,
-                "nn::ConvTranspose1d",
-            ),
+            (x.flatten_from(2)?.conv_transpose1d(&k1, 0, 0, 1, 1, 1)?, "nn::ConvTranspose1d"),
             (x.max_pool2d_with_stride(3, 2)?, "ops::max_pool2d"),
             (x.avg_pool2d_with_stride(3, 1)?, "ops::avg_pool2d"),
             (x.upsample_bilinear2d(12, 12, false)?, "ops::upsample_bilinear2d"),

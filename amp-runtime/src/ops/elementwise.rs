@@ -74,6 +74,20 @@ pub(super) fn new_storage_in_blocks(
     }
 }
 
+/// [`new_storage_in_blocks`] of `planes` planes of `plane` elements each, in blocks of whole planes
+/// (about [`BLOCK`] elements, at least one plane): `write(first plane, the block's planes)`, for a kernel
+/// that works a plane at a time.
+pub(super) fn new_storage_in_planes(
+    dtype: Dtype,
+    planes: usize,
+    plane: usize,
+    write: impl Fn(usize, GradSliceMut<'_>) + Sync,
+) -> CpuStorage {
+    let plane = plane.max(1);
+    let block = (BLOCK / plane).max(1) * plane;
+    new_storage_in_blocks(dtype, planes * plane, block, |at, part| write(at / plane, part))
+}
+
 /// A CPU tensor of `shape` holding `storage` (f32, f16 or bf16, of `shape`'s size).
 pub(super) fn tensor_of(storage: CpuStorage, shape: impl Into<Shape>) -> Result<Tensor> {
     let cpu = &Device::Cpu;

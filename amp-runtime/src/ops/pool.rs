@@ -15,11 +15,9 @@
 
 use amp_kernels::conv::ConvShape;
 use amp_kernels::pool;
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, ToUsize2};
 
-use super::buffer::Buffer;
-use super::elementwise::elements;
+use super::elementwise::{elements, new_storage_in_planes, part};
 
 /// Max pooling of `x` `(batch, channels, height, width)` over `kernel` windows (one size, or
 /// `(height, width)`) every `stride` positions, with `padding` on every side that no window takes
@@ -208,6 +206,16 @@ impl PoolOp {
         let [rows, cols] = self.shape.output().unwrap_or_default();
         (dims[0], dims[1], rows, cols).into()
     }
+
+    /// Output elements per plane.
+    fn plane_out(&self) -> usize {
+        self.shape.output().map_or(0, |[rows, cols]| rows * cols)
+    }
+
+    /// The geometry of `count` of the planes.
+    fn planes(&self, count: usize) -> ConvShape {
+        ConvShape { channels: count, ..self.shape }
+    }
 }
 
 impl CustomOp1 for PoolOp {
@@ -220,13 +228,16 @@ impl CustomOp1 for PoolOp {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = elements(storage, layout)?;
-        let shape = self.output_dims(layout.dims());
-        let mut y = Buffer::zeros(storage.dtype(), shape.elem_count())?;
-        match self.window.kind {
-            Kind::Max => pool::max_forward(&self.shape, x, y.as_mut()),
-            Kind::Avg => pool::avg_forward(&self.shape, x, y.as_mut()),
-        }
-        Ok((y.into_storage(), shape))
+        let (plane_in, plane_out) = (self.shape.height * self.shape.width, self.plane_out());
+        let y = new_storage_in_planes(x.dtype(), self.shape.channels, plane_out, |first, y| {
+            let planes = y.len() / plane_out;
+            let (shape, x) = (self.planes(planes), part(x, first * plane_in, planes * plane_in));
+            match self.window.kind {
+                Kind::Max => pool::max_forward(&shape, x, y),
+                Kind::Avg => pool::avg_forward(&shape, x, y),
+            }
+        });
+        Ok((y, self.output_dims(layout.dims())))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
@@ -253,12 +264,17 @@ impl CustomOp2 for PoolBackward {
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, dy) = (elements(xs, xl)?, elements(gs, gl)?);
-        let mut dx = Buffer::zeros(xs.dtype(), x.len())?;
-        let shape = &self.0.shape;
-        match self.0.window.kind {
-            Kind::Max => pool::max_backward(shape, x, dy, dx.as_mut()),
-            Kind::Avg => pool::avg_backward(shape, dy, dx.as_mut()),
-        }
-        Ok((dx.into_storage(), xl.shape().clone()))
+        let op = &self.0;
+        let (plane_in, plane_out) = (op.shape.height * op.shape.width, op.plane_out());
+        let dx = new_storage_in_planes(x.dtype(), op.shape.channels, plane_in, |first, dx| {
+            let planes = dx.len() / plane_in.max(1);
+            let shape = op.planes(planes);
+            let dy = part(dy, first * plane_out, planes * plane_out);
+            match op.window.kind {
+                Kind::Max => pool::max_backward(&shape, part(x, first * plane_in, dx.len()), dy, dx),
+                Kind::Avg => pool::avg_backward(&shape, dy, dx),
+            }
+        });
+        Ok((dx, xl.shape().clone()))
     }
 }

@@ -12,11 +12,9 @@
 //! broadcast product and a sum), whose forward gives the same bits in f32.
 
 use amp_kernels::resize::{self, Planes, Taps};
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
-use super::buffer::Buffer;
-use super::elementwise::elements;
+use super::elementwise::{elements, kernel_dtype, new_storage_in_planes, part};
 
 /// `x` `(batch, channels, height, width)` resized to `(target_h, target_w)` by bilinear
 /// interpolation, as candle's `Tensor::upsample_bilinear2d` (the same arguments and values, to f32
@@ -165,14 +163,9 @@ struct BilinearOp {
 }
 
 impl BilinearOp {
-    fn planes(&self, dims: &[usize]) -> Planes<'_> {
-        Planes {
-            count: dims[0] * dims[1],
-            height: dims[2],
-            width: dims[3],
-            rows: &self.rows,
-            cols: &self.cols,
-        }
+    /// `count` planes of the input's `height x width`.
+    fn planes(&self, count: usize, dims: &[usize]) -> Planes<'_> {
+        Planes { count, height: dims[2], width: dims[3], rows: &self.rows, cols: &self.cols }
     }
 }
 
@@ -184,10 +177,13 @@ impl CustomOp1 for BilinearOp {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = elements(storage, layout)?;
         let dims = layout.dims();
-        let shape = Shape::from((dims[0], dims[1], self.rows.len(), self.cols.len()));
-        let mut y = Buffer::zeros(storage.dtype(), shape.elem_count())?;
-        resize::bilinear_forward(&self.planes(dims), x, y.as_mut());
-        Ok((y.into_storage(), shape))
+        let (plane_in, plane_out) = (dims[2] * dims[3], self.rows.len() * self.cols.len());
+        let y = new_storage_in_planes(x.dtype(), dims[0] * dims[1], plane_out, |first, y| {
+            let planes = y.len() / plane_out;
+            let x = part(x, first * plane_in, planes * plane_in);
+            resize::bilinear_forward(&self.planes(planes, dims), x, y);
+        });
+        Ok((y, Shape::from((dims[0], dims[1], self.rows.len(), self.cols.len()))))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
@@ -208,9 +204,15 @@ impl CustomOp1 for BilinearBackward {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let dy = elements(storage, layout)?;
-        let mut dx = Buffer::zeros(self.x.dtype(), self.x.elem_count())?;
-        resize::bilinear_backward(&self.op.planes(self.x.dims()), dy, dx.as_mut());
-        Ok((dx.into_storage(), self.x.shape().clone()))
+        let dims = self.x.dims();
+        let (plane_in, plane_out) = (dims[2] * dims[3], self.op.rows.len() * self.op.cols.len());
+        let dtype = kernel_dtype(self.x.dtype())?;
+        let dx = new_storage_in_planes(dtype, dims[0] * dims[1], plane_in, |first, dx| {
+            let planes = dx.len() / plane_in;
+            let dy = part(dy, first * plane_out, planes * plane_out);
+            resize::bilinear_backward(&self.op.planes(planes, dims), dy, dx);
+        });
+        Ok((dx, self.x.shape().clone()))
     }
 }
 
