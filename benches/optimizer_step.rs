@@ -1,12 +1,14 @@
 //! Optimizer-step benchmark on the 25.2M-parameter / 98-tensor set of the performance baselines
 //! (8 transformer layers, d = 512, ffn = 2048, plus a final norm), measured side by side in one run:
-//! fused AdamW (fp32, and mixed: f16 gradients, fp32 master and state, f16 working copy) against
-//! `candle_nn::AdamW` and against the machine's streaming bandwidth measured by the same binary.
+//! fused AdamW (fp32; mixed: f16 gradients, fp32 master and state, f16 working copy; mixed with bf16
+//! moments) against `candle_nn::AdamW` and against the machine's streaming bandwidth measured by the
+//! same binary.
 //!
 //! Run: `cargo bench --bench optimizer_step`
 //!
 //! Bytes counted: fp32 AdamW reads p, g, m, v and writes p, m, v: 28 B/param. Mixed reads an f16 g,
-//! p, m, v and writes p, m, v and the f16 working copy: 2 + 12 + 12 + 2 = 28 B/param. The bandwidth
+//! p, m, v and writes p, m, v and the f16 working copy: 2 + 12 + 12 + 2 = 28 B/param; with bf16 moments
+//! 2 + 8 + 8 + 2 = 20 B/param. The bandwidth
 //! reference is an in-place stream update `a = a + s * b` (two reads, one write back to a line just
 //! read: 12 B/element, all of it real traffic, as in the optimizer; a triad into a third array would pay
 //! an uncounted write-allocate).
@@ -16,7 +18,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use amp::nn::Linear;
-use amp::optim::{AdamConfig, FusedAdam, FusedOptimizer, ParamGroups};
+use amp::optim::{AdamConfig, FusedAdam, FusedOptimizer, ParamGroups, StateDtype};
 use amp::{AmpConfig, AmpModuleExt, OptLevel, Param, Precision};
 use amp_kernels::timing::Interleaved;
 use candle_core::backprop::GradStore;
@@ -95,6 +97,12 @@ fn main() -> amp::Result<()> {
     amp::initialize(&mut mixed_model, AmpConfig { opt_level: OptLevel::O2, half: Precision::Fp16 })?;
     let mixed_grads = grads_for(&mixed_model.trainable_vars())?;
     let mut mixed = FusedAdam::new(ParamGroups::from_model(&mixed_model)?, AdamConfig::default())?;
+    // The same with bf16 moments.
+    let mut bf16_model: Vec<Linear> = make()?.into_iter().map(|v| Linear::new(Param::new(v), None)).collect();
+    amp::initialize(&mut bf16_model, AmpConfig { opt_level: OptLevel::O2, half: Precision::Fp16 })?;
+    let bf16_grads = grads_for(&bf16_model.trainable_vars())?;
+    let bf16_state = AdamConfig { state_dtype: StateDtype::Bf16, ..AdamConfig::default() };
+    let mut bf16 = FusedAdam::new(ParamGroups::from_model(&bf16_model)?, bf16_state)?;
     // Stream update over as many elements as the parameters.
     let (mut a, b) = (vec![1f32; n], vec![2f32; n]);
     let triad = |a: &mut [f32]| {
@@ -106,14 +114,15 @@ fn main() -> amp::Result<()> {
     };
 
     // Interleaved rounds (amp_kernels::timing, the harness of the kernels' bench too): stream, fused,
-    // mixed, and candle-nn's AdamW every third round (it is 50x slower).
-    let mut harness = Interleaved::new(4, 0);
-    let mut allocations = (0, 0);
+    // mixed, mixed with bf16 moments, and candle-nn's AdamW every third round (it is 50x slower).
+    let mut harness = Interleaved::new(5, 0);
+    let mut allocations = (0, 0, 0);
     for round in 0..9 {
         let mut r = harness.round();
         r.time(|| triad(black_box(&mut a)));
         r.time(|| fused.step(&fused_grads))?;
         r.time(|| mixed.step_scaled(&mixed_grads, 1.0))?;
+        r.time(|| bf16.step_scaled(&bf16_grads, 1.0))?;
         if round % 3 == 0 {
             r.time(|| candle.step(&candle_grads))?;
         } else {
@@ -128,21 +137,27 @@ fn main() -> amp::Result<()> {
             COUNTING.store(true, Ordering::SeqCst);
             mixed.step(&mixed_grads)?;
             COUNTING.store(false, Ordering::SeqCst);
-            allocations.1 = ALLOCATIONS.load(Ordering::SeqCst);
+            allocations.1 = ALLOCATIONS.swap(0, Ordering::SeqCst);
+            COUNTING.store(true, Ordering::SeqCst);
+            bf16.step(&bf16_grads)?;
+            COUNTING.store(false, Ordering::SeqCst);
+            allocations.2 = ALLOCATIONS.load(Ordering::SeqCst);
         }
     }
-    let [stream, fused_ms, mixed_ms, candle_ms] = [0, 1, 2, 3].map(|case| harness.median_s(case) * 1e3);
+    let [stream, fused_ms, mixed_ms, bf16_ms, candle_ms] =
+        [0, 1, 2, 3, 4].map(|case| harness.median_s(case) * 1e3);
     let gbs = |bytes_per: f64, ms: f64| bytes_per * n as f64 / ms / 1e6;
     let bandwidth = gbs(12.0, stream);
     println!();
     println!("| work | median ms | GB/s | of stream bandwidth | vs candle-nn AdamW | allocations/step |");
     println!("|---|---|---|---|---|---|");
     println!("| stream update a += s*b (12 B/elem) | {stream:.2} | {bandwidth:.1} | 100% | | |");
-    for (name, ms, allocs) in [
-        ("fused AdamW fp32 (28 B/param)", fused_ms, Some(allocations.0)),
-        ("fused AdamW mixed f16 (28 B/param)", mixed_ms, Some(allocations.1)),
+    for (name, bytes, ms, allocs) in [
+        ("fused AdamW fp32 (28 B/param)", 28.0, fused_ms, Some(allocations.0)),
+        ("fused AdamW mixed f16 (28 B/param)", 28.0, mixed_ms, Some(allocations.1)),
+        ("fused AdamW mixed f16, bf16 moments (20 B/param)", 20.0, bf16_ms, Some(allocations.2)),
     ] {
-        let rate = gbs(28.0, ms);
+        let rate = gbs(bytes, ms);
         let allocs = allocs.map_or(String::new(), |a| a.to_string());
         println!(
             "| {name} | {ms:.2} | {rate:.1} | {:.0}% | {:.1}x faster | {allocs} |",
@@ -154,6 +169,14 @@ fn main() -> amp::Result<()> {
         "| candle_nn::AdamW fp32 | {candle_ms:.2} | {:.1} | {:.0}% | 1.0x | |",
         gbs(28.0, candle_ms),
         100.0 * gbs(28.0, candle_ms) / bandwidth
+    );
+    println!();
+    println!(
+        "bf16 moments: optimizer state {:.0} MB against {:.0} MB (f32 moments), step {:.2}x the time of the mixed \
+         step with f32 moments",
+        bf16.state_bytes() as f64 / 1e6,
+        mixed.state_bytes() as f64 / 1e6,
+        bf16_ms / mixed_ms
     );
     Ok(())
 }

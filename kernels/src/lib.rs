@@ -89,6 +89,7 @@ mod simd;
 mod slices;
 pub mod softmax;
 pub mod squared_error;
+pub mod stochastic;
 pub mod timing;
 pub mod unscale;
 

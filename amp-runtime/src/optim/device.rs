@@ -33,8 +33,10 @@ pub(crate) fn step(
     let on_device = match slot {
         Some(on_device) => on_device,
         None => {
-            let host: Vec<Option<&[Vec<f32>]>> =
-                state.iter().map(|b| b.used.then_some(&b.values[..])).collect();
+            let host: Vec<Option<&[Vec<f32>]>> = state
+                .iter()
+                .map(|b| b.used.then(|| b.f32().map(|v| &v[..])).transpose())
+                .collect::<Result<_>>()?;
             slot.insert(DeviceOptimizer::new(device, groups, &host, applied)?)
         }
     };
@@ -56,7 +58,7 @@ pub(crate) fn downloaded(on_device: &DeviceOptimizer, host: &[Buffers]) -> Resul
         .zip(values)
         .map(|(buffer, values)| Buffers {
             name: buffer.name,
-            values: values.unwrap_or_else(|| buffer.values.clone()),
+            values: values.map_or_else(|| buffer.values.clone(), super::state::Values::F32),
             used: buffer.used,
         })
         .collect();

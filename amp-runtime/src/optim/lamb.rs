@@ -155,7 +155,7 @@ impl FusedOptimizer for FusedLamb {
             let core = &mut self.core;
             let present = driver::with_grads(&core.groups.params, Some(group), grads)?;
             let [m, v] = &mut core.state;
-            let (m, v, norms) = (&mut m.values, &mut v.values, &mut self.norms);
+            let (m, v, norms) = (m.f32_mut()?, v.f32_mut()?, &mut self.norms);
             driver::for_each_batch(&core.groups.params, &present, |indices, views| {
                 let mut tensors: Vec<LambTensor<'_>> = views
                     .iter_mut()

@@ -39,7 +39,7 @@ mod sgd;
 mod state;
 pub(crate) mod validate;
 
-pub use adam::{AdamConfig, FusedAdam, FusedAdamW};
+pub use adam::{AdamConfig, FusedAdam, FusedAdamW, StateDtype};
 pub use lamb::{FusedLamb, LambConfig};
 pub use params::{GroupOptions, OptimParam, ParamGroups};
 pub use sgd::{FusedSgd, SgdConfig};

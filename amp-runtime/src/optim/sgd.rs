@@ -117,7 +117,7 @@ impl FusedOptimizer for FusedSgd {
             let core = &mut self.core;
             let present = driver::with_grads(&core.groups.params, Some(group), grads)?;
             let [momentum] = &mut core.state;
-            let buffers = &mut momentum.values;
+            let buffers = momentum.f32_mut()?;
             driver::for_each_batch(&core.groups.params, &present, |indices, views| {
                 let mut tensors: Vec<SgdTensor<'_>> = views
                     .iter_mut()

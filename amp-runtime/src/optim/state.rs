@@ -1,21 +1,29 @@
-//! Optimizer state (fp32 vectors per parameter) in checkpoints.
+//! Optimizer state (vectors per parameter, f32 or bf16) in checkpoints.
 
 use std::collections::{BTreeMap, HashMap};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
+use half::bf16;
 
 use super::core::Core;
 use super::params::{GroupOptions, OptimParam};
 use crate::checkpoint::{SavedState, TrainingState};
 use crate::error::{Error, Result};
 
-/// One named fp32 buffer per parameter (`exp_avg`, `momentum_buffer`, ...). Empty vectors are buffers
-/// not in use (amsgrad off, no momentum) and are not saved.
+/// One named buffer per parameter (`exp_avg`, `momentum_buffer`, ...). Empty vectors are buffers not in
+/// use (amsgrad off, no momentum) and are not saved.
 pub(crate) struct Buffers {
     pub name: &'static str,
-    pub values: Vec<Vec<f32>>,
+    pub values: Values,
     /// False for a kind the settings do not use (its vectors are empty; the kernels get null pointers).
     pub used: bool,
+}
+
+/// A buffer's vectors, one per parameter, in the dtype the optimizer keeps that state in.
+#[derive(Clone)]
+pub(crate) enum Values {
+    F32(Vec<Vec<f32>>),
+    Bf16(Vec<Vec<bf16>>),
 }
 
 impl std::fmt::Debug for Buffers {
@@ -26,15 +34,98 @@ impl std::fmt::Debug for Buffers {
 }
 
 impl Buffers {
+    /// Zeroed f32 vectors of the parameters' sizes (empty when not `used`).
     pub(crate) fn zeros(name: &'static str, params: &[OptimParam], used: bool) -> Self {
-        let values =
-            params.iter().map(|p| if used { vec![0.0; p.elem_count()] } else { Vec::new() }).collect();
+        let values = Values::F32(zeroed(params, used));
+        Buffers { name, values, used }
+    }
+
+    /// [`Buffers::zeros`] in bf16.
+    pub(crate) fn zeros_bf16(name: &'static str, params: &[OptimParam], used: bool) -> Self {
+        let values = Values::Bf16(zeroed(params, used));
         Buffers { name, values, used }
     }
 
     pub(crate) fn bytes(&self) -> usize {
-        self.values.iter().map(|v| 4 * v.len()).sum()
+        match &self.values {
+            Values::F32(v) => v.iter().map(|v| 4 * v.len()).sum(),
+            Values::Bf16(v) => v.iter().map(|v| 2 * v.len()).sum(),
+        }
     }
+
+    /// The f32 vectors: every optimizer's state but Adam's with bf16 moments.
+    pub(crate) fn f32_mut(&mut self) -> Result<&mut Vec<Vec<f32>>> {
+        let name = self.name;
+        match &mut self.values {
+            Values::F32(v) => Ok(v),
+            Values::Bf16(_) => Err(not_f32(name)),
+        }
+    }
+
+    /// [`Buffers::f32_mut`], shared.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn f32(&self) -> Result<&Vec<Vec<f32>>> {
+        match &self.values {
+            Values::F32(v) => Ok(v),
+            Values::Bf16(_) => Err(not_f32(self.name)),
+        }
+    }
+
+    /// The bf16 vectors (Adam's moments with `StateDtype::Bf16`).
+    pub(crate) fn bf16_mut(&mut self) -> Result<&mut Vec<Vec<bf16>>> {
+        match &mut self.values {
+            Values::Bf16(v) => Ok(v),
+            Values::F32(_) => {
+                Err(Error::Internal { what: format!("optimizer state `{}` is f32, not bf16", self.name) })
+            }
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self.values {
+            Values::F32(_) => DType::F32,
+            Values::Bf16(_) => DType::BF16,
+        }
+    }
+
+    /// Parameter `i`'s vector as a tensor of the parameter's shape, or `None` when empty.
+    fn tensor(&self, i: usize, param: &OptimParam) -> Result<Option<Tensor>> {
+        let dims = param.master.dims();
+        let tensor = match &self.values {
+            Values::F32(v) if !v[i].is_empty() => Tensor::from_slice(&v[i], dims, &Device::Cpu)?,
+            Values::Bf16(v) if !v[i].is_empty() => Tensor::from_slice(&v[i], dims, &Device::Cpu)?,
+            _ => return Ok(None),
+        };
+        Ok(Some(tensor))
+    }
+
+    /// The number of values of parameter `i` (0 when not in use).
+    fn len_of(&self, i: usize) -> usize {
+        match &self.values {
+            Values::F32(v) => v[i].len(),
+            Values::Bf16(v) => v[i].len(),
+        }
+    }
+
+    /// Replaces parameter `i`'s vector with a saved tensor's values (of this buffer's dtype, checked).
+    fn set(&mut self, i: usize, t: &Tensor) -> Result<()> {
+        let t = t.flatten_all()?;
+        match &mut self.values {
+            Values::F32(v) => v[i] = t.to_vec1()?,
+            Values::Bf16(v) => v[i] = t.to_vec1()?,
+        }
+        Ok(())
+    }
+}
+
+/// A bf16 buffer where an f32 one was expected: a bug, not a user's mistake.
+fn not_f32(name: &str) -> Error {
+    Error::Internal { what: format!("optimizer state `{name}` is bf16 where an f32 buffer was expected") }
+}
+
+/// Zeroed vectors of each parameter's size, or empty ones when not `used`.
+fn zeroed<T: Copy + Default>(params: &[OptimParam], used: bool) -> Vec<Vec<T>> {
+    params.iter().map(|p| if used { vec![T::default(); p.elem_count()] } else { Vec::new() }).collect()
 }
 
 /// The saved form: JSON of `settings`, one tensor per used buffer and parameter (`{path}/{name}`).
@@ -46,10 +137,9 @@ pub(crate) fn save<S: serde::Serialize>(
     let json = serde_json::to_string(settings).map_err(|e| Error::Internal { what: e.to_string() })?;
     let mut tensors = Vec::new();
     for buffer in buffers.iter().filter(|b| b.used) {
-        for (param, values) in params.iter().zip(&buffer.values) {
-            if !values.is_empty() {
-                // In the parameter's shape, so that a load can tell parameters of one size apart.
-                let tensor = Tensor::from_slice(values, param.master.dims(), &Device::Cpu)?;
+        for (i, param) in params.iter().enumerate() {
+            // In the parameter's shape, so that a load can tell parameters of one size apart.
+            if let Some(tensor) = buffer.tensor(i, param)? {
                 tensors.push((format!("{}/{}", param.path, buffer.name), tensor));
             }
         }
@@ -69,18 +159,18 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
         .map_err(|source| Error::SavedStateUnreadable { key: key.to_string(), source })?;
     let by_name: HashMap<&str, &Tensor> = state.tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for buffer in buffers.iter().filter(|b| b.used) {
-        for (param, values) in params.iter().zip(&buffer.values) {
-            if values.is_empty() {
+        for (i, param) in params.iter().enumerate() {
+            let len = buffer.len_of(i);
+            if len == 0 {
                 continue;
             }
             let name = format!("{}/{}", param.path, buffer.name);
             match by_name.get(name.as_str()) {
                 None => return Err(bad(format!("`{name}` is missing: {MATCHED_BY_NAME}"))),
-                Some(t) if t.elem_count() != values.len() => {
+                Some(t) if t.elem_count() != len => {
                     return Err(bad(format!(
-                        "`{name}` has {} values, the parameter {}: {MATCHED_BY_NAME}",
+                        "`{name}` has {} values, the parameter {len}: {MATCHED_BY_NAME}",
                         t.elem_count(),
-                        values.len()
                     )))
                 }
                 // Flat: saved before states kept their parameter's shape.
@@ -91,11 +181,12 @@ pub(crate) fn check<S: serde::de::DeserializeOwned>(
                         param.master.dims()
                     )))
                 }
-                Some(t) if t.dtype() != candle_core::DType::F32 => {
+                Some(t) if t.dtype() != buffer.dtype() => {
                     return Err(bad(format!(
-                        "`{name}` is {:?}, where optimizer state is F32: the checkpoint was not written by \
-                         amp's optimizer, or was edited",
-                        t.dtype()
+                        "`{name}` is {:?}, where the saved settings keep this state in {:?}: the checkpoint \
+                         was not written by amp's optimizer, or was edited",
+                        t.dtype(),
+                        buffer.dtype()
                     )))
                 }
                 Some(_) => {}
@@ -114,9 +205,9 @@ const MATCHED_BY_NAME: &str = "saved state is matched to parameters by name, and
 pub(crate) fn restore(state: &SavedState, params: &[OptimParam], buffers: &mut [Buffers]) -> Result<()> {
     let by_name: HashMap<&str, &Tensor> = state.tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for buffer in buffers.iter_mut().filter(|b| b.used) {
-        for (param, values) in params.iter().zip(buffer.values.iter_mut()) {
+        for (i, param) in params.iter().enumerate() {
             if let Some(t) = by_name.get(format!("{}/{}", param.path, buffer.name).as_str()) {
-                *values = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+                buffer.set(i, t)?;
             }
         }
     }
@@ -124,7 +215,7 @@ pub(crate) fn restore(state: &SavedState, params: &[OptimParam], buffers: &mut [
 }
 
 /// What a fused optimizer exposes so that one [`TrainingState`] implementation saves and restores all
-/// of them: its [`Core`] (settings, applied steps, parameter groups, fp32 buffers, device copy).
+/// of them: its [`Core`] (settings, applied steps, parameter groups, state buffers, device copy).
 pub(crate) trait Checkpointed {
     /// The optimizer's settings.
     type Config: Copy + serde::Serialize + serde::de::DeserializeOwned;

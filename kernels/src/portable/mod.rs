@@ -9,6 +9,7 @@
 pub(crate) mod kernels;
 pub(crate) mod lamb;
 pub(crate) mod optim;
+pub(crate) mod stochastic;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};

@@ -2,7 +2,11 @@
 //! arithmetic with one rounding per operation (bit-exact oracle), and Adam in f64 (formula check).
 
 use super::{get, set_half};
-use crate::optim::{AdamParams, AdamTensor, LambParams, LambTensor, SgdParams, SgdTensor, TensorNorms};
+use crate::optim::{
+    moment_keys, AdamBf16Tensor, AdamParams, AdamTensor, LambParams, LambTensor, SgdParams, SgdTensor,
+    TensorNorms,
+};
+use crate::stochastic::{random_bits, round_bf16};
 
 /// `(1 - beta1^t, 1 - beta2^t)` in f64, or `(1, 1)` without bias correction.
 fn bias_corrections(beta1: f64, beta2: f64, step: u64, on: bool) -> (f64, f64) {
@@ -51,6 +55,30 @@ pub fn adam_step(tensors: &mut [AdamTensor<'_>], hp: &AdamParams, inv_grad_scale
             if let Some(w) = t.working.as_mut() {
                 set_half(w, i, p);
             }
+        }
+    }
+}
+
+/// Reference [`crate::optim::adam_step_bf16_state`]: element by element, the moments widened, the f32
+/// formula of [`adam_step`], the moments rounded back with the random bits of the element's index in
+/// its tensor ([`crate::stochastic::round_bf16`], [`crate::stochastic::random_bits`]).
+pub fn adam_step_bf16_state(tensors: &mut [AdamBf16Tensor<'_>], hp: &AdamParams, inv_grad_scale: f32) {
+    assert!(!hp.amsgrad, "bf16 moments: no AMSGrad");
+    for t in tensors {
+        let [key_m, key_v] = moment_keys(t.stream, hp.step);
+        for i in 0..t.master.len() {
+            let (mut m, mut v) = ([t.exp_avg[i].to_f32()], [t.exp_avg_sq[i].to_f32()]);
+            let one = AdamTensor {
+                master: &mut t.master[i..=i],
+                grad: t.grad.split_at(i).1.split_at(1).0,
+                exp_avg: &mut m,
+                exp_avg_sq: &mut v,
+                max_exp_avg_sq: None,
+                working: t.working.as_mut().map(|w| w.reborrow().split_at(i).1.split_at(1).0),
+            };
+            adam_step(&mut [one], hp, inv_grad_scale);
+            t.exp_avg[i] = round_bf16(m[0], random_bits(key_m, i as u64));
+            t.exp_avg_sq[i] = round_bf16(v[0], random_bits(key_v, i as u64));
         }
     }
 }

@@ -10,6 +10,7 @@
 pub(crate) mod kernels;
 pub(crate) mod lamb;
 pub(crate) mod optim;
+pub(crate) mod stochastic;
 
 use std::arch::x86_64::{
     __m128i, __m256, __m256d, _mm256_add_epi32, _mm256_add_pd, _mm256_and_ps, _mm256_and_si256,
