@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use amp::distributed::Wire;
+use amp::optim::StateDtype;
 use amp::{OptLevel, Precision};
 
 use crate::gpt::GptShape;
@@ -103,6 +104,10 @@ pub(crate) struct Args {
     /// the bytes)
     #[arg(long, value_name = "DTYPE", default_value = "f32", value_parser = parse_wire, requires = "data_parallel")]
     pub(crate) wire: Wire,
+    /// The dtype of AdamW's moments in every run: f32 (8 bytes of state per parameter) or bf16 (4 bytes,
+    /// rounded stochastically: `amp::optim::StateDtype`)
+    #[arg(long, value_name = "DTYPE", default_value = "f32", value_parser = parse_state_dtype)]
+    pub(crate) optimizer_state: StateDtype,
     /// Run as a CPU with AVX2, FMA and F16C but no AVX-512 would: every product on amp's AVX2 kernel,
     /// amp's vector loops 8 floats wide (to see an AVX2-only CPU's ratios on a CPU with AVX-512)
     #[arg(long)]
@@ -111,6 +116,14 @@ pub(crate) struct Args {
 
 fn parse_precision(name: &str) -> Result<Precision, String> {
     name.parse().map_err(|e: amp::Error| e.to_string())
+}
+
+fn parse_state_dtype(name: &str) -> Result<StateDtype, String> {
+    match name {
+        "f32" => Ok(StateDtype::F32),
+        "bf16" => Ok(StateDtype::Bf16),
+        other => Err(format!("{other}: expected f32 or bf16")),
+    }
 }
 
 fn parse_mixed_level(level: &str) -> Result<OptLevel, String> {

@@ -159,6 +159,7 @@ fn train(
         "flops_per_step": size.flops_per_step(), "matmul_bf16": bf16_kernel(size, &device).kernel.to_string(),
         "steps": steps, "batch": batch, "seq": seq, "lr": size.lr, "opt_level": args.opt_level.to_string(),
         "data_parallel": data_parallel, "avx2_only": args.avx2_only,
+        "optimizer_state": format!("{:?}", args.optimizer_state),
         "seeds": seeds.iter().map(|s| report::seed_json(s, size.tokens(), floor)).collect::<Vec<_>>(),
     });
     let path = args.out.join("results.json");

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use amp::optim::{AdamConfig, FusedAdamW, FusedOptimizer, ParamGroups};
+use amp::optim::{AdamConfig, FusedAdamW, FusedOptimizer, ParamGroups, StateDtype};
 use amp::scaler::ScalerConfig;
 use amp::{AmpConfig, AmpModuleExt, GradScaler, OptLevel, Precision};
 use candle_core::{DType, Device, Tensor, D};
@@ -81,6 +81,7 @@ impl<'c> Trainer<'c> {
         name: String,
         weights: &HashMap<String, Tensor>,
         config: AmpConfig,
+        state_dtype: StateDtype,
         group: Option<Group<'c>>,
     ) -> amp::Result<Self> {
         let vb = VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu);
@@ -94,7 +95,7 @@ impl<'c> Trainer<'c> {
             }
             None => None,
         };
-        let adam = AdamConfig { lr: size.lr, weight_decay: 0.01, ..AdamConfig::default() };
+        let adam = AdamConfig { lr: size.lr, weight_decay: 0.01, state_dtype, ..AdamConfig::default() };
         let optimizer = FusedAdamW::new(ParamGroups::from_model(&model)?, adam)?;
         let scaler = GradScaler::for_model(&model, ScalerConfig::default())?;
         let run = Run {
@@ -220,7 +221,7 @@ pub(crate) fn train_runs(
         .iter()
         .map(|p| {
             let (name, config) = (run_name(*p, args.opt_level), config_for(*p, args.opt_level));
-            Trainer::new(size, name, weights, config, group)
+            Trainer::new(size, name, weights, config, args.optimizer_state, group)
         })
         .collect::<amp::Result<Vec<_>>>()?;
     let every = (steps / 10).max(1);

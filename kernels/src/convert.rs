@@ -121,7 +121,7 @@ impl Piece for Narrow<'_> {
 
 struct Convert(Backend);
 
-pub(crate) fn widen_piece<T: Element>(backend: Backend, src: &[T], dst: &mut [f32]) {
+fn widen_piece<T: Element>(backend: Backend, src: &[T], dst: &mut [f32]) {
     dispatch!(backend, kernels::widen::<T>(src, dst));
 }
 

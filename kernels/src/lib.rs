@@ -3,8 +3,10 @@
 //!
 //! - [`unscale`]: multiply gradients by `1 / loss_scale` and detect infinities and NaNs, in one pass.
 //! - [`norm`]: deterministic global and per-tensor L2 norms (gradient clipping, LAMB).
-//! - [`optim`]: fused Adam / AdamW, SGD and LAMB steps over fp32 master weights and fp32 state, reading
-//!   f32, f16 or bf16 gradients and optionally writing the f16 / bf16 working copy in the same pass.
+//! - [`optim`]: fused Adam / AdamW, SGD and LAMB steps over fp32 master weights and fp32 state (Adam's
+//!   moments also in bf16), reading f32, f16 or bf16 gradients and optionally writing the f16 / bf16
+//!   working copy in the same pass.
+//! - [`stochastic`]: f32 to bf16 with stochastic rounding, from counter-based random bits.
 //! - [`clip`]: clipping by value, and the clip-by-norm coefficient.
 //! - [`conv`]: convolution as matrix products: an image's patches as the columns of a matrix (im2col)
 //!   and that matrix's gradient folded back onto the image (col2im).

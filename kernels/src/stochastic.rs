@@ -42,7 +42,8 @@ pub(crate) const fn block_key(key: u32, high: u32) -> u32 {
     }
 }
 
-/// The 32 random bits of element `index` of stream `key` (the low 16 are what [`round_bf16`] uses).
+/// The 32 random bits of element `index` of stream `key`. [`round_bf16`] uses the low 16; two values
+/// of one element rounded in one pass (Adam's moments) take the low and the high 16.
 #[inline]
 pub fn random_bits(key: u32, index: u64) -> u32 {
     mix(index as u32 ^ block_key(key, (index >> 32) as u32))
@@ -66,8 +67,8 @@ pub fn round_bf16(x: f32, r: u32) -> bf16 {
     bf16::from_bits(((b + (r & 0xFFFF)) >> 16) as u16)
 }
 
-/// Rounds `src` into `dst` stochastically, element `i` with the random bits of index `first + i` of
-/// stream `key`. Runs on [`Isa::detect`]'s path; every path writes the same bits.
+/// Rounds `src` into `dst` stochastically, element `i` with the (low 16) random bits of index
+/// `first + i` of stream `key`. Runs on [`Isa::detect`]'s path; every path writes the same bits.
 ///
 /// # Panics
 /// If the lengths differ.
@@ -84,17 +85,20 @@ pub fn narrow_bf16_with(isa: Isa, src: &[f32], dst: &mut [bf16], key: u32, first
     narrow_block(Backend::new(isa), src, dst, key, first);
 }
 
-/// [`narrow_bf16`] of one block on the calling thread, for loops inside other kernels.
-pub(crate) fn narrow_block(backend: Backend, src: &[f32], dst: &mut [bf16], key: u32, first: u64) {
+/// [`narrow_bf16`] on the calling thread.
+fn narrow_block(backend: Backend, src: &[f32], dst: &mut [bf16], key: u32, first: u64) {
     let mut start = 0;
     while start < src.len() {
         let index = first + start as u64;
-        // Up to the next multiple of 2^32, where the key of the index's high half changes.
-        let room = (1u64 << 32) - (index & 0xFFFF_FFFF);
-        let end = src.len().min(start.saturating_add(usize::try_from(room).unwrap_or(usize::MAX)));
+        let end = src.len().min(start.saturating_add(before_key_change(index)));
         let key = block_key(key, (index >> 32) as u32);
         let (s, d) = (&src[start..end], &mut dst[start..end]);
-        dispatch!(backend, stochastic::narrow_bf16(s, d, key, index as u32));
+        dispatch!(backend, stochastic::narrow_bf16(s, d, key, index as u32, 0));
         start = end;
     }
+}
+
+/// How many indices from `index` on share its high 32 bits (and so one [`block_key`]).
+pub(crate) fn before_key_change(index: u64) -> usize {
+    usize::try_from((1u64 << 32) - (index & 0xFFFF_FFFF)).unwrap_or(usize::MAX)
 }

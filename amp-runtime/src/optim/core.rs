@@ -1,5 +1,5 @@
 //! What every fused optimizer holds and does the same way: its parameters, settings, applied-step count
-//! and fp32 state buffers, and the move of that state to a CUDA device on the first step there.
+//! and state buffers (f32, or bf16 moments), and the move of that state to a CUDA device on the first step there.
 
 use candle_core::backprop::GradStore;
 
@@ -63,7 +63,7 @@ impl<C, S: AsRef<[Buffers]>> Core<C, S> {
         Ok(())
     }
 
-    /// Bytes of fp32 state.
+    /// Bytes of state.
     pub fn state_bytes(&self) -> usize {
         self.state.as_ref().iter().map(Buffers::bytes).sum()
     }

@@ -3,7 +3,9 @@
 //! An optimizer step is bandwidth-bound, so what counts is how often each parameter's bytes cross the
 //! memory bus. The fused step reads the gradient in its own dtype (f32, f16 or bf16) and still scaled by
 //! the loss scale, unscales it inline, updates the fp32 master and the fp32 state, and writes the half
-//! working copy, all in one pass, with no temporary tensor. State is fp32 whatever the parameters are.
+//! working copy, all in one pass, with no temporary tensor. State is fp32 whatever the parameters are,
+//! except Adam's moments where asked for in bf16 ([`StateDtype::Bf16`]: half the bytes, rounded
+//! stochastically).
 //!
 //! ```
 //! use amp_runtime::nn::{linear, Linear};
@@ -84,7 +86,7 @@ pub trait FusedOptimizer {
     /// The parameters and their groups.
     fn param_groups(&self) -> &ParamGroups;
 
-    /// Bytes of optimizer state (fp32), for memory accounting.
+    /// Bytes of optimizer state (4 a value in f32, 2 in bf16), for memory accounting.
     fn state_bytes(&self) -> usize;
 }
 

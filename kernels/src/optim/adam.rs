@@ -258,7 +258,7 @@ struct Step {
     consts: AdamConsts,
 }
 
-pub(super) fn typed<G: Element, W: Element>(backend: Backend, s: AdamSlices<'_, G, W>, c: &AdamConsts) {
+fn typed<G: Element, W: Element>(backend: Backend, s: AdamSlices<'_, G, W>, c: &AdamConsts) {
     crate::backend::dispatch!(backend, optim::adam::<G, W>(s, c));
 }
 

@@ -2,26 +2,29 @@
 //! traffic per element (20 instead of 28 with f32 gradients).
 //!
 //! Per element the step is [`adam_step`](super::adam_step)'s, in f32, on the moments widened from bf16
-//! (exact); the updated moments are then rounded back to bf16 stochastically ([`crate::stochastic`]),
-//! with a stream per tensor, step and moment, so that the small per-step changes of a running average
-//! survive in expectation (round-to-nearest would drop any change below half a bf16 step: `v` would
+//! (exact); the updated moments are then rounded back to bf16 stochastically ([`crate::stochastic`]:
+//! one 32-bit hash per element of a stream per tensor and step, its low half for `m`, its high half
+//! for `v`), so that the small per-step changes of a running average survive in expectation (round-to-nearest would drop any change below half a bf16 step: `v` would
 //! stop decaying). The master stays f32. AMSGrad is not offered (a running maximum rounded at random
 //! is no maximum).
 //!
-//! The code paths, thread counts and ways of splitting the work all write the same bits:
+//! The AVX2 path does it all in registers in the step's one pass; the portable path widens blocks of
+//! moments into stack buffers, runs the f32 step on them and rounds them back. The code paths, thread
+//! counts and ways of splitting the work all write the same bits:
 //! [`crate::reference::adam_step_bf16_state`] is the element-by-element oracle.
+//!
+//! Per element the AVX2 path adds a hash (two 32-bit multiplies) and two roundings to the f32 step:
+//! where the step was bound by memory it gets faster, where by arithmetic (the divisions and square
+//! root of every Adam step, on a CPU with much bandwidth per core) it stays as fast.
 
 use half::{bf16, f16};
 
-use super::adam::{typed, AdamConsts, AdamParams, AdamSlices};
+use super::adam::{AdamConsts, AdamParams};
 use super::check_len;
-use crate::backend::{Backend, Element};
+use crate::backend::{dispatch, Backend, Element};
 use crate::par::{self, Kernel, Piece, Tensors};
-use crate::stochastic::{narrow_block, stream_key};
-use crate::{convert, GradSlice, HalfSliceMut, Isa};
-
-/// Elements per block: the moments are widened into two stack buffers of this many f32s.
-const BLOCK: usize = 1024;
+use crate::stochastic::{before_key_change, block_key, stream_key};
+use crate::{GradSlice, HalfSliceMut, Isa};
 
 /// One parameter tensor of an Adam step with bf16 moments. All slices must have the master's length.
 #[derive(Debug)]
@@ -41,9 +44,10 @@ pub struct AdamBf16Tensor<'a> {
     pub stream: u64,
 }
 
-/// The two stream keys of one tensor and step: the first moment's and the second's.
-pub fn moment_keys(stream: u64, step: u64) -> [u32; 2] {
-    [stream_key(&[stream, step, 0]), stream_key(&[stream, step, 1])]
+/// The stream key of one tensor's step: element `i`'s random bits are
+/// [`random_bits(key, i)`](crate::stochastic::random_bits), the low 16 rounding `m`, the high 16 `v`.
+pub fn step_key(stream: u64, step: u64) -> u32 {
+    stream_key(&[stream, step])
 }
 
 /// Runs one fused Adam / AdamW step with bf16 moments over all `tensors`. Runs on [`Isa::detect`].
@@ -145,42 +149,63 @@ struct Step {
     step: u64,
 }
 
-/// A piece's slices, typed, with its random streams.
-struct Typed<'a, G, W> {
-    p: &'a mut [f32],
-    g: &'a [G],
-    m: &'a mut [bf16],
-    v: &'a mut [bf16],
-    w: Option<&'a mut [W]>,
-    keys: [u32; 2],
-    offset: u64,
+/// One piece of one tensor, typed: what the backends' `adam_bf16_state` kernels take. Equal lengths.
+#[derive(Debug)]
+pub(crate) struct AdamBf16Slices<'a, G, W> {
+    pub(crate) p: &'a mut [f32],
+    pub(crate) g: &'a [G],
+    pub(crate) m: &'a mut [bf16],
+    pub(crate) v: &'a mut [bf16],
+    pub(crate) w: Option<&'a mut [W]>,
 }
 
 impl Step {
-    /// Block by block: the moments widened, the f32 step, the moments rounded back.
-    fn blocks<G: Element, W: Element>(&self, x: Typed<'_, G, W>) {
-        let Typed { p, g, m, v, mut w, keys, offset } = x;
-        let (mut m32, mut v32) = ([0f32; BLOCK], [0f32; BLOCK]);
-        for s in (0..p.len()).step_by(BLOCK) {
-            let e = (s + BLOCK).min(p.len());
-            let (mb, vb) = (&mut m32[..e - s], &mut v32[..e - s]);
-            convert::widen_piece(self.backend, &m[s..e], mb);
-            convert::widen_piece(self.backend, &v[s..e], vb);
-            let w = w.as_deref_mut().map(|w| &mut w[s..e]);
-            let slices = AdamSlices { p: &mut p[s..e], g: &g[s..e], m: &mut *mb, v: &mut *vb, vmax: None, w };
-            typed::<G, W>(self.backend, slices, &self.consts);
-            narrow_block(self.backend, mb, &mut m[s..e], keys[0], offset + s as u64);
-            narrow_block(self.backend, vb, &mut v[s..e], keys[1], offset + s as u64);
+    /// A piece whose indices share their high 32 bits: one key, the low 32 bits of the first index.
+    fn run(&self, t: AdamBf16Tensor<'_>, offset: u64) {
+        let key = block_key(step_key(t.stream, self.step), (offset >> 32) as u32);
+        match t.working {
+            None => {
+                self.with_grad::<f32>(t.master, t.grad, (t.exp_avg, t.exp_avg_sq), None, (key, offset as u32))
+            }
+            Some(HalfSliceMut::F16(w)) => self.with_grad::<f16>(
+                t.master,
+                t.grad,
+                (t.exp_avg, t.exp_avg_sq),
+                Some(w),
+                (key, offset as u32),
+            ),
+            Some(HalfSliceMut::Bf16(w)) => self.with_grad::<bf16>(
+                t.master,
+                t.grad,
+                (t.exp_avg, t.exp_avg_sq),
+                Some(w),
+                (key, offset as u32),
+            ),
         }
     }
 
-    fn with_grad<W: Element>(&self, t: AdamBf16Tensor<'_>, w: Option<&mut [W]>, offset: u64) {
-        let keys = moment_keys(t.stream, self.step);
-        let (p, m, v) = (t.master, t.exp_avg, t.exp_avg_sq);
-        match t.grad {
-            GradSlice::F32(g) => self.blocks::<f32, W>(Typed { p, g, m, v, w, keys, offset }),
-            GradSlice::F16(g) => self.blocks::<f16, W>(Typed { p, g, m, v, w, keys, offset }),
-            GradSlice::Bf16(g) => self.blocks::<bf16, W>(Typed { p, g, m, v, w, keys, offset }),
+    fn with_grad<W: Element>(
+        &self,
+        p: &mut [f32],
+        grad: GradSlice<'_>,
+        (m, v): (&mut [bf16], &mut [bf16]),
+        w: Option<&mut [W]>,
+        (key, first): (u32, u32),
+    ) {
+        let (b, c) = (self.backend, &self.consts);
+        match grad {
+            GradSlice::F32(g) => {
+                let s = AdamBf16Slices { p, g, m, v, w };
+                dispatch!(b, optim::adam_bf16_state::<f32, W>(s, c, key, first));
+            }
+            GradSlice::F16(g) => {
+                let s = AdamBf16Slices { p, g, m, v, w };
+                dispatch!(b, optim::adam_bf16_state::<f16, W>(s, c, key, first));
+            }
+            GradSlice::Bf16(g) => {
+                let s = AdamBf16Slices { p, g, m, v, w };
+                dispatch!(b, optim::adam_bf16_state::<bf16, W>(s, c, key, first));
+            }
         }
     }
 }
@@ -190,12 +215,15 @@ impl<'a> Kernel<&'a mut [AdamBf16Tensor<'_>]> for Step {
     type Out = ();
 
     fn leaf(&self, part: Part<'a>) {
-        let Part { tensor: mut t, offset } = part;
-        match t.working.take() {
-            None => self.with_grad::<f32>(t, None, offset),
-            Some(HalfSliceMut::F16(w)) => self.with_grad::<f16>(t, Some(w), offset),
-            Some(HalfSliceMut::Bf16(w)) => self.with_grad::<bf16>(t, Some(w), offset),
+        // Split where an index's high 32 bits change (a tensor of more than 2^32 elements).
+        let mut rest = part;
+        while rest.len() > before_key_change(rest.offset) {
+            let room = before_key_change(rest.offset);
+            let (head, tail) = rest.split_at(room);
+            self.run(head.tensor, head.offset);
+            rest = tail;
         }
+        self.run(rest.tensor, rest.offset);
     }
     fn merge(&self, (): (), (): ()) {}
     fn finish(&self, _index: usize, (): (), (): ()) {}

@@ -25,11 +25,12 @@ mod lamb;
 mod sgd;
 
 pub use adam::{adam_step, adam_step_with, AdamParams, AdamTensor};
-pub use adam_bf16::{adam_step_bf16_state, adam_step_bf16_state_with, moment_keys, AdamBf16Tensor};
+pub use adam_bf16::{adam_step_bf16_state, adam_step_bf16_state_with, step_key, AdamBf16Tensor};
 pub use lamb::{lamb_step, lamb_step_with, LambParams, LambTensor, TensorNorms};
 pub use sgd::{sgd_step, sgd_step_with, SgdParams, SgdTensor};
 
 pub(crate) use adam::{AdamConsts, AdamSlices};
+pub(crate) use adam_bf16::AdamBf16Slices;
 pub(crate) use lamb::LambConsts;
 pub(crate) use sgd::{SgdConsts, SgdSlices};
 

@@ -6,8 +6,10 @@
 //! narrowed from the freshly written (L1-resident) master. The core is picked once per piece, from the
 //! hyper-parameter switches, as a function pointer, so each core is a branch-free loop.
 
-use super::{Elem, BLOCK};
-use crate::optim::{AdamConsts, AdamSlices, SgdConsts, SgdSlices};
+use half::bf16;
+
+use super::{stochastic, Elem, BLOCK};
+use crate::optim::{AdamBf16Slices, AdamConsts, AdamSlices, SgdConsts, SgdSlices};
 
 /// `[start, end)` of each block of a piece of `n` elements.
 pub(crate) fn blocks(n: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -70,6 +72,33 @@ pub(crate) fn adam<G: Elem, Wk: Elem>(s: AdamSlices<'_, G, Wk>, c: &AdamConsts) 
         if let Some(w) = w.as_deref_mut() {
             Wk::narrow(pb, &mut w[s..e]);
         }
+    }
+}
+
+/// One Adam / AdamW step with bf16 moments on one piece: block by block, the moments widened, [`adam`]'s
+/// f32 step, the moments rounded back stochastically (`m` with the low half of element `i`'s random
+/// bits of index `first + i` of stream `key`, `v` with the high half), as the AVX2 kernel does in
+/// registers.
+pub(crate) fn adam_bf16_state<G: Elem, Wk: Elem>(
+    s: AdamBf16Slices<'_, G, Wk>,
+    c: &AdamConsts,
+    key: u32,
+    first: u32,
+) {
+    let AdamBf16Slices { p, g, m, v, mut w } = s;
+    let (mut m32, mut v32) = ([0f32; BLOCK], [0f32; BLOCK]);
+    for (s, e) in blocks(p.len()) {
+        let (mb, vb) = (&mut m32[..e - s], &mut v32[..e - s]);
+        bf16::widen(&m[s..e], mb);
+        bf16::widen(&v[s..e], vb);
+        let w = w.as_deref_mut().map(|w| &mut w[s..e]);
+        adam::<G, Wk>(
+            AdamSlices { p: &mut p[s..e], g: &g[s..e], m: &mut *mb, v: &mut *vb, vmax: None, w },
+            c,
+        );
+        let at = first.wrapping_add(s as u32);
+        stochastic::narrow_bf16(mb, &mut m[s..e], key, at, 0);
+        stochastic::narrow_bf16(vb, &mut v[s..e], key, at, 16);
     }
 }
 

@@ -3,7 +3,7 @@
 
 use super::{get, set_half};
 use crate::optim::{
-    moment_keys, AdamBf16Tensor, AdamParams, AdamTensor, LambParams, LambTensor, SgdParams, SgdTensor,
+    step_key, AdamBf16Tensor, AdamParams, AdamTensor, LambParams, LambTensor, SgdParams, SgdTensor,
     TensorNorms,
 };
 use crate::stochastic::{random_bits, round_bf16};
@@ -61,11 +61,12 @@ pub fn adam_step(tensors: &mut [AdamTensor<'_>], hp: &AdamParams, inv_grad_scale
 
 /// Reference [`crate::optim::adam_step_bf16_state`]: element by element, the moments widened, the f32
 /// formula of [`adam_step`], the moments rounded back with the random bits of the element's index in
-/// its tensor ([`crate::stochastic::round_bf16`], [`crate::stochastic::random_bits`]).
+/// its tensor ([`crate::stochastic::round_bf16`], [`crate::stochastic::random_bits`]): their low half
+/// for `m`, their high half for `v`.
 pub fn adam_step_bf16_state(tensors: &mut [AdamBf16Tensor<'_>], hp: &AdamParams, inv_grad_scale: f32) {
     assert!(!hp.amsgrad, "bf16 moments: no AMSGrad");
     for t in tensors {
-        let [key_m, key_v] = moment_keys(t.stream, hp.step);
+        let key = step_key(t.stream, hp.step);
         for i in 0..t.master.len() {
             let (mut m, mut v) = ([t.exp_avg[i].to_f32()], [t.exp_avg_sq[i].to_f32()]);
             let one = AdamTensor {
@@ -77,8 +78,9 @@ pub fn adam_step_bf16_state(tensors: &mut [AdamBf16Tensor<'_>], hp: &AdamParams,
                 working: t.working.as_mut().map(|w| w.reborrow().split_at(i).1.split_at(1).0),
             };
             adam_step(&mut [one], hp, inv_grad_scale);
-            t.exp_avg[i] = round_bf16(m[0], random_bits(key_m, i as u64));
-            t.exp_avg_sq[i] = round_bf16(v[0], random_bits(key_v, i as u64));
+            let random = random_bits(key, i as u64);
+            t.exp_avg[i] = round_bf16(m[0], random);
+            t.exp_avg_sq[i] = round_bf16(v[0], random >> 16);
         }
     }
 }

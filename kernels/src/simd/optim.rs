@@ -6,13 +6,15 @@
 //! zero-padded stack copies; padding lanes are discarded. LAMB is in `super::lamb`.
 
 use std::arch::x86_64::{
-    __m256, _mm256_add_ps, _mm256_div_ps, _mm256_loadu_ps, _mm256_max_ps, _mm256_mul_ps, _mm256_set1_ps,
-    _mm256_sqrt_ps, _mm256_storeu_ps, _mm256_sub_ps,
+    __m256, __m256i, _mm256_add_ps, _mm256_div_ps, _mm256_loadu_ps, _mm256_max_ps, _mm256_mul_ps,
+    _mm256_set1_epi32, _mm256_set1_ps, _mm256_sqrt_ps, _mm256_storeu_ps, _mm256_sub_ps,
 };
 use std::ptr::null_mut;
 
-use super::{offset, opt_ptr, pad, unpad, Elem, W};
-use crate::optim::{AdamConsts, AdamSlices, SgdConsts, SgdSlices};
+use half::bf16;
+
+use super::{offset, opt_ptr, pad, stochastic, unpad, Elem, W};
+use crate::optim::{AdamBf16Slices, AdamConsts, AdamSlices, SgdConsts, SgdSlices};
 
 // ---- Adam ----------------------------------------------------------------------------------------
 
@@ -29,6 +31,59 @@ struct AdamV {
     l2: bool,
 }
 
+impl AdamV {
+    /// The constants broadcast to 8 lanes.
+    ///
+    /// # Safety
+    /// AVX available.
+    #[inline(always)]
+    unsafe fn new(c: &AdamConsts) -> AdamV {
+        // SAFETY: caller guarantees AVX.
+        unsafe {
+            AdamV {
+                inv_scale: _mm256_set1_ps(c.inv_scale),
+                weight_decay: _mm256_set1_ps(c.weight_decay),
+                decay: _mm256_set1_ps(c.decay),
+                one_minus_beta1: _mm256_set1_ps(c.one_minus_beta1),
+                beta2: _mm256_set1_ps(c.beta2),
+                one_minus_beta2: _mm256_set1_ps(c.one_minus_beta2),
+                bias_correction2_sqrt: _mm256_set1_ps(c.bias_correction2_sqrt),
+                eps: _mm256_set1_ps(c.eps),
+                step_size: _mm256_set1_ps(c.step_size),
+                l2: c.l2,
+            }
+        }
+    }
+}
+
+/// The moments' update on 8 lanes: from the gradient (still scaled) and the loaded master and moments,
+/// the decayed master and the new moments.
+#[inline(always)]
+unsafe fn moments8(k: &AdamV, g: __m256, p: __m256, m: __m256, v: __m256) -> (__m256, __m256, __m256) {
+    // SAFETY: caller guarantees AVX2.
+    unsafe {
+        let mut g = _mm256_mul_ps(g, k.inv_scale);
+        if k.l2 {
+            g = _mm256_add_ps(g, _mm256_mul_ps(k.weight_decay, p));
+        }
+        let p = _mm256_mul_ps(p, k.decay);
+        let m = _mm256_add_ps(m, _mm256_mul_ps(k.one_minus_beta1, _mm256_sub_ps(g, m)));
+        let v = _mm256_mul_ps(v, k.beta2);
+        let v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, g), g));
+        (p, m, v)
+    }
+}
+
+/// The master's update on 8 lanes from the decayed master, `m` and the second moment in use.
+#[inline(always)]
+unsafe fn apply8(k: &AdamV, p: __m256, m: __m256, v: __m256) -> __m256 {
+    // SAFETY: caller guarantees AVX2.
+    unsafe {
+        let denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), k.bias_correction2_sqrt), k.eps);
+        _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(k.step_size, m), denom))
+    }
+}
+
 #[inline(always)]
 unsafe fn adam8<G: Elem, Wk: Elem>(
     k: &AdamV,
@@ -38,16 +93,8 @@ unsafe fn adam8<G: Elem, Wk: Elem>(
 ) {
     // SAFETY: caller guarantees AVX2/FMA/F16C and 8 valid elements behind every non-null pointer.
     unsafe {
-        let mut gv = _mm256_mul_ps(G::load8(g), k.inv_scale);
-        let mut pv = _mm256_loadu_ps(p);
-        if k.l2 {
-            gv = _mm256_add_ps(gv, _mm256_mul_ps(k.weight_decay, pv));
-        }
-        pv = _mm256_mul_ps(pv, k.decay);
-        let mv = _mm256_loadu_ps(m);
-        let mv = _mm256_add_ps(mv, _mm256_mul_ps(k.one_minus_beta1, _mm256_sub_ps(gv, mv)));
-        let vv = _mm256_mul_ps(_mm256_loadu_ps(v), k.beta2);
-        let vv = _mm256_add_ps(vv, _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, gv), gv));
+        let (pv, mv, vv) =
+            moments8(k, G::load8(g), _mm256_loadu_ps(p), _mm256_loadu_ps(m), _mm256_loadu_ps(v));
         _mm256_storeu_ps(m, mv);
         _mm256_storeu_ps(v, vv);
         let veff = if vmax.is_null() {
@@ -58,8 +105,7 @@ unsafe fn adam8<G: Elem, Wk: Elem>(
             _mm256_storeu_ps(vmax, x);
             x
         };
-        let denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(veff), k.bias_correction2_sqrt), k.eps);
-        pv = _mm256_sub_ps(pv, _mm256_div_ps(_mm256_mul_ps(k.step_size, mv), denom));
+        let pv = apply8(k, pv, mv, veff);
         _mm256_storeu_ps(p, pv);
         if !w.is_null() {
             Wk::store8(w, pv);
@@ -73,18 +119,8 @@ unsafe fn adam8<G: Elem, Wk: Elem>(
 /// AVX2, FMA and F16C available.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn adam<G: Elem, Wk: Elem>(s: AdamSlices<'_, G, Wk>, c: &AdamConsts) {
-    let k = AdamV {
-        inv_scale: _mm256_set1_ps(c.inv_scale),
-        weight_decay: _mm256_set1_ps(c.weight_decay),
-        decay: _mm256_set1_ps(c.decay),
-        one_minus_beta1: _mm256_set1_ps(c.one_minus_beta1),
-        beta2: _mm256_set1_ps(c.beta2),
-        one_minus_beta2: _mm256_set1_ps(c.one_minus_beta2),
-        bias_correction2_sqrt: _mm256_set1_ps(c.bias_correction2_sqrt),
-        eps: _mm256_set1_ps(c.eps),
-        step_size: _mm256_set1_ps(c.step_size),
-        l2: c.l2,
-    };
+    // SAFETY: AVX2 enabled here.
+    let k = unsafe { AdamV::new(c) };
     let AdamSlices { p, g, m, v, mut vmax, mut w } = s;
     let n = p.len();
     let body = n - n % W;
@@ -111,6 +147,74 @@ pub(crate) unsafe fn adam<G: Elem, Wk: Elem>(s: AdamSlices<'_, G, Wk>, c: &AdamC
         m[body..].copy_from_slice(&tm[..r]);
         v[body..].copy_from_slice(&tv[..r]);
         unpad(vmax.map(|x| &mut x[body..]), tx);
+        unpad(w.map(|x| &mut x[body..]), tw);
+    }
+}
+
+/// [`adam8`] with bf16 moments, widened when loaded and rounded stochastically when stored: `m` with
+/// the low half of `random`, `v` with the high half. The master's update reads the unrounded moments.
+#[inline(always)]
+unsafe fn adam8_bf16_state<G: Elem, Wk: Elem>(
+    k: &AdamV,
+    (p, g, m, v): (*mut f32, *const G, *mut bf16, *mut bf16),
+    w: *mut Wk,
+    random: __m256i,
+) {
+    // SAFETY: caller guarantees AVX2/FMA/F16C and 8 valid elements behind every non-null pointer.
+    unsafe {
+        let (pv, mv, vv) = moments8(k, G::load8(g), _mm256_loadu_ps(p), bf16::load8(m), bf16::load8(v));
+        stochastic::store8(m, mv, random, false);
+        stochastic::store8(v, vv, random, true);
+        let pv = apply8(k, pv, mv, vv);
+        _mm256_storeu_ps(p, pv);
+        if !w.is_null() {
+            Wk::store8(w, pv);
+        }
+    }
+}
+
+/// One Adam / AdamW step with bf16 moments on one piece, element `i` rounded with the random bits of
+/// index `first + i` of stream `key` (`crate::stochastic`).
+///
+/// # Safety
+/// AVX2, FMA and F16C available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn adam_bf16_state<G: Elem, Wk: Elem>(
+    s: AdamBf16Slices<'_, G, Wk>,
+    c: &AdamConsts,
+    key: u32,
+    first: u32,
+) {
+    // SAFETY: AVX2 enabled here.
+    let k = unsafe { AdamV::new(c) };
+    let keys = _mm256_set1_epi32(key as i32);
+    let AdamBf16Slices { p, g, m, v, mut w } = s;
+    let n = p.len();
+    let body = n - n % W;
+    let base = (p.as_mut_ptr(), g.as_ptr(), m.as_mut_ptr(), v.as_mut_ptr());
+    let wp = w.as_deref_mut().map_or(null_mut(), <[Wk]>::as_mut_ptr);
+    for i in (0..body).step_by(W) {
+        // SAFETY: i + 8 <= body <= n, the length of every slice.
+        unsafe {
+            let random = stochastic::random8(keys, first.wrapping_add(i as u32));
+            let at = (base.0.add(i), base.1.add(i), base.2.add(i), base.3.add(i));
+            adam8_bf16_state(&k, at, offset(wp, i), random);
+        }
+    }
+    if body < n {
+        let (mut tp, tg, mut tm, mut tv) =
+            (pad(&p[body..]), pad(&g[body..]), pad(&m[body..]), pad(&v[body..]));
+        let mut tw = w.as_deref().map(|x| pad(&x[body..]));
+        let at = (tp.as_mut_ptr(), tg.as_ptr(), tm.as_mut_ptr(), tv.as_mut_ptr());
+        // SAFETY: stack buffers of 8; the padding lanes' results are dropped.
+        unsafe {
+            let random = stochastic::random8(keys, first.wrapping_add(body as u32));
+            adam8_bf16_state(&k, at, opt_ptr(&mut tw), random);
+        }
+        let r = n - body;
+        p[body..].copy_from_slice(&tp[..r]);
+        m[body..].copy_from_slice(&tm[..r]);
+        v[body..].copy_from_slice(&tv[..r]);
         unpad(w.map(|x| &mut x[body..]), tw);
     }
 }
