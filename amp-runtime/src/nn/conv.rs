@@ -18,6 +18,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, Conv1dConfig, Conv2dConfig, VarBuilder};
 
+use crate::ops::input::Input;
 use crate::ops::{self, ConvParams};
 use crate::{LayerPrecision, Param, Precision};
 
@@ -175,39 +176,6 @@ impl Module for Conv1d {
             }
         };
         add_bias(y, self.bias.as_ref(), 3, compute)?.to_dtype(out)
-    }
-}
-
-/// What a layer's input holds after its batch and channel dimensions: one sequence or one image.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Input {
-    /// `(batch, channels, length)`.
-    Sequence,
-    /// `(batch, channels, height, width)`.
-    Image,
-}
-
-impl Input {
-    /// Refuses an input `x` that is not of this kind or does not have the `channels` the layer `layer`
-    /// reads, in the layer's own terms (a 1-d layer's op sees its input as 2-d, of height 1).
-    pub(super) fn check(self, layer: &str, x: &[usize], channels: usize) -> Result<()> {
-        let (rank, dims, one) = match self {
-            Input::Sequence => (3, "(batch, channels, length)", "sequence"),
-            Input::Image => (4, "(batch, channels, height, width)", "image"),
-        };
-        if x.len() != rank {
-            candle_core::bail!(
-                "{layer}: the input must be {dims}, got shape {x:?}; a single {one} is a batch of one: \
-                 `.unsqueeze(0)`"
-            );
-        }
-        if x[1] != channels {
-            candle_core::bail!(
-                "{layer}: the input has {} channels (shape {x:?}); the layer takes {channels}",
-                x[1]
-            );
-        }
-        Ok(())
     }
 }
 

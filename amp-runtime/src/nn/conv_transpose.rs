@@ -22,7 +22,8 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{init, ConvTranspose1dConfig, ConvTranspose2dConfig, VarBuilder};
 
-use super::conv::{add_bias, output_dtypes, Input};
+use super::conv::{add_bias, output_dtypes};
+use crate::ops::input::Input;
 use crate::ops::{self, ConvParams};
 use crate::{LayerPrecision, Param};
 

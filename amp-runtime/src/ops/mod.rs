@@ -44,6 +44,7 @@ pub(crate) mod fused_softmax;
 mod gelu;
 mod gemm;
 mod heads;
+pub(crate) mod input;
 mod layer_norm;
 pub mod loss;
 pub(crate) mod mlp;

@@ -18,6 +18,7 @@ use amp_kernels::pool;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, ToUsize2};
 
 use super::elementwise::{elements, new_storage_in_planes, part};
+use super::input::Input;
 
 /// Max pooling of `x` `(batch, channels, height, width)` over `kernel` windows (one size, or
 /// `(height, width)`) every `stride` positions, with `padding` on every side that no window takes
@@ -97,13 +98,7 @@ impl Window {
     }
 
     fn apply_1d(self, name: &str, x: &Tensor) -> Result<Tensor> {
-        if x.rank() != 3 {
-            candle_core::bail!(
-                "{name}: the input must be (batch, channels, length), got shape {:?}; a single sequence is \
-                 a batch of one: `.unsqueeze(0)`",
-                x.dims()
-            );
-        }
+        Input::Sequence.check_rank(name, x.dims())?;
         self.apply(name, &x.unsqueeze(2)?)?.squeeze(2)
     }
 
@@ -123,12 +118,7 @@ impl Window {
     /// The kernels' geometry for input dims `(batch, channels, height, width)`: a plane per channel of
     /// each image. Refuses what PyTorch refuses, in `name`'s terms.
     fn shape(&self, name: &str, dims: &[usize]) -> Result<ConvShape> {
-        let &[batch, channels, height, width] = dims else {
-            candle_core::bail!(
-                "{name}: the input must be (batch, channels, height, width), got shape {dims:?}; a single \
-                 image is a batch of one: `.unsqueeze(0)`"
-            );
-        };
+        let [batch, channels, height, width] = Input::image(name, dims)?;
         let (kernel, stride, padding) = (self.kernel, self.stride, self.padding);
         if kernel.contains(&0) || stride.contains(&0) {
             candle_core::bail!("{name}: kernel {kernel:?} and stride {stride:?} must be at least 1");

@@ -15,6 +15,7 @@ use amp_kernels::resize::{self, Planes, Taps};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 use super::elementwise::{elements, kernel_dtype, new_storage_in_planes, part};
+use super::input::Input;
 
 /// `x` `(batch, channels, height, width)` resized to `(target_h, target_w)` by bilinear
 /// interpolation, as candle's `Tensor::upsample_bilinear2d` (the same arguments and values, to f32
@@ -75,13 +76,7 @@ pub fn upsample_bilinear2d_with_scale(
 }
 
 fn dims(x: &Tensor) -> Result<(usize, usize, usize, usize)> {
-    let &[batch, channels, height, width] = x.dims() else {
-        candle_core::bail!(
-            "upsample_bilinear2d: the input must be (batch, channels, height, width), got shape {:?}; a \
-             single image is a batch of one: `.unsqueeze(0)`",
-            x.dims()
-        );
-    };
+    let [batch, channels, height, width] = Input::image("upsample_bilinear2d", x.dims())?;
     if height == 0 || width == 0 {
         candle_core::bail!("upsample_bilinear2d: an empty image, shape {:?}", x.dims());
     }
