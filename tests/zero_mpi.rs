@@ -44,16 +44,32 @@ fn gather(comm: &Mpi, value: usize) -> amp::Result<Vec<usize>> {
     Ok(all.iter().map(|&v| v as usize).collect())
 }
 
-/// A saved state with its tensors sorted by name, as bits, for comparisons.
 /// A saved state's settings (as JSON values: the gathered state's fields may come in another order)
-/// and its tensors' bits, by name.
-fn state_bits(state: amp::checkpoint::SavedState) -> (serde_json::Value, Vec<(String, Vec<u32>)>) {
-    let mut tensors: Vec<_> = state.tensors.iter().map(|(n, t)| (n.clone(), reliability::bits(t))).collect();
+/// and its tensors' dtypes and bits, by name.
+type StateBits = (serde_json::Value, Vec<(String, String, Vec<u32>)>);
+
+/// A saved state with its tensors sorted by name, as dtypes and bits, for comparisons.
+fn state_bits(state: amp::checkpoint::SavedState) -> StateBits {
+    let mut tensors: Vec<_> = state
+        .tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), format!("{:?}", t.dtype()), reliability::bits(t)))
+        .collect();
     tensors.sort();
     let json = serde_json::from_str(&state.json)
         .unwrap_or_else(|e| serde_json::Value::String(format!("unreadable ({e}): {}", state.json)));
     (json, tensors)
 }
+
+/// The optimizers of the bit-identity test: AdamW, LAMB, and AdamW with bf16 moments (whose rounding
+/// draws its random bits by parameter path, so the owner of a tensor draws what the unsharded
+/// optimizer draws).
+type MakeOptimizer = fn(ParamGroups) -> amp::Result<Optimizer>;
+const OPTIMIZERS: [(&str, MakeOptimizer); 3] = [
+    ("AdamW", |g| Optimizer::new(Kind::AdamW, g)),
+    ("LAMB", |g| Optimizer::new(Kind::Lamb, g)),
+    ("AdamW with bf16 moments", Optimizer::adamw_bf16_moments),
+];
 
 /// ZeRO-1 and plain data parallelism compute the same averaged gradient (two ranks: one addition of the
 /// two ranks' f32 values, commutative, whatever the bucket boundaries) and the same elementwise update of
@@ -69,8 +85,8 @@ fn zero1_trains_bit_identically_to_data_parallel_with_half_the_optimizer_state_p
     on_ranks(test, 2, |comm| {
         let (rank, world) = (comm.rank(), comm.world_size());
         for half in [Precision::Fp16, Precision::Bf16] {
-            for kind in [Kind::AdamW, Kind::Lamb] {
-                let what = format!("{half:?} {kind:?}, rank {rank}");
+            for (kind, make) in OPTIMIZERS {
+                let what = format!("{half:?} {kind}, rank {rank}");
                 let (dp_net, zero_net) = (mlp(half, 5 + rank as u64)?, mlp(half, 5)?); // rank 0 seeds both
                 let mut dp = DataParallel::new(comm, DataParallelConfig::default())?;
                 dp.broadcast_masters(&dp_net)?;
@@ -78,8 +94,8 @@ fn zero1_trains_bit_identically_to_data_parallel_with_half_the_optimizer_state_p
                 let buckets = DataParallelConfig { bucket_bytes: 4 * 2 * 300, ..Default::default() };
                 let mut zero = Zero1::new(comm, ParamGroups::from_model(&zero_net)?, buckets)?;
                 zero.broadcast_masters(&zero_net)?;
-                let mut dp_opt = Optimizer::new(kind, ParamGroups::from_model(&dp_net)?)?;
-                let mut zero_opt = Optimizer::new(kind, zero.local_groups())?;
+                let mut dp_opt = make(ParamGroups::from_model(&dp_net)?)?;
+                let mut zero_opt = make(zero.local_groups())?;
                 let (mut dp_scaler, mut zero_scaler) = (scaler(&dp_net)?, scaler(&zero_net)?);
                 let mut skipped = 0;
                 for step in 0..50 {
@@ -133,7 +149,7 @@ fn zero1_trains_bit_identically_to_data_parallel_with_half_the_optimizer_state_p
                         .map(|&b| format!("{b} B ({:.3})", b as f64 / unsharded as f64))
                         .collect();
                     println!(
-                        "{} {half:?} {kind:?}: optimizer state unsharded {unsharded} B per rank; ZeRO-1 on {world} \
+                        "{} {half:?} {kind}: optimizer state unsharded {unsharded} B per rank; ZeRO-1 on {world} \
                          ranks: {}; {skipped} of 50 steps skipped on both",
                         mpi_launch::REPORT,
                         ratios.join(", ")

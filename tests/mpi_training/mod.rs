@@ -6,7 +6,7 @@ pub mod lockstep;
 
 use amp::checkpoint::TrainingState;
 use amp::nn::{linear, Linear};
-use amp::optim::{AdamConfig, FusedAdamW, FusedLamb, FusedOptimizer, LambConfig, ParamGroups};
+use amp::optim::{AdamConfig, FusedAdamW, FusedLamb, FusedOptimizer, LambConfig, ParamGroups, StateDtype};
 use amp::scaler::ScalerConfig;
 use amp::{AmpConfig, AmpModuleExt, GradScaler, OptLevel, Precision};
 use candle_core::{DType, Device, Module, Tensor};
@@ -122,6 +122,12 @@ impl Optimizer {
                 Optimizer::Lamb(FusedLamb::new(groups, LambConfig { lr: LR, ..Default::default() })?)
             }
         })
+    }
+
+    /// AdamW as [`Kind::AdamW`], its moments in bf16 (`StateDtype::Bf16`).
+    pub fn adamw_bf16_moments(groups: ParamGroups) -> amp::Result<Self> {
+        let config = AdamConfig { lr: LR, state_dtype: StateDtype::Bf16, ..Default::default() };
+        Ok(Optimizer::AdamW(FusedAdamW::new(groups, config)?))
     }
 
     /// The optimizer to step.

@@ -184,7 +184,8 @@ fn broadcast_vec(comm: &dyn super::Communicator, mut bytes: Vec<u8>, root: usize
     Ok(bytes)
 }
 
-/// The JSON, then per tensor its name, dims and f32 values, little-endian, lengths as u64.
+/// The JSON, then per tensor its name, dims, dtype ([`BF16_TAG`] for bf16, [`F32_TAG`] for f32 and any
+/// other dtype, widened) and values, little-endian, lengths as u64.
 fn encode(state: &SavedState) -> Result<Vec<u8>> {
     let mut out = Vec::new();
     let put = |out: &mut Vec<u8>, n: usize| out.extend_from_slice(&(n as u64).to_le_bytes());
@@ -196,11 +197,23 @@ fn encode(state: &SavedState) -> Result<Vec<u8>> {
         out.extend_from_slice(name.as_bytes());
         put(&mut out, tensor.rank());
         tensor.dims().iter().for_each(|&d| put(&mut out, d));
-        let values = tensor.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+        if tensor.dtype() == DType::BF16 {
+            put(&mut out, BF16_TAG);
+            let values = tensor.flatten_all()?.to_vec1::<half::bf16>()?;
+            values.iter().for_each(|v| out.extend_from_slice(&v.to_bits().to_le_bytes()));
+        } else {
+            put(&mut out, F32_TAG);
+            let values = tensor.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+        }
     }
     Ok(out)
 }
+
+/// [`encode`]'s dtype tags: a state tensor travels in f32 (Adam's moments with `StateDtype::Bf16`: in
+/// bf16, so that the gathered state saves as the optimizer would save it).
+const F32_TAG: usize = 0;
+const BF16_TAG: usize = 1;
 
 /// The inverse of [`encode`].
 fn decode(bytes: &[u8]) -> Result<SavedState> {
@@ -213,12 +226,25 @@ fn decode(bytes: &[u8]) -> Result<SavedState> {
         let rank = reader.word()?;
         let dims = (0..rank).map(|_| reader.word()).collect::<Result<Vec<usize>>>()?;
         let n: usize = dims.iter().product();
-        let values: Vec<f32> = reader
-            .take(4 * n)?
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        tensors.push((name, Tensor::from_vec(values, dims, &Device::Cpu)?));
+        let tensor = match reader.word()? {
+            BF16_TAG => {
+                let bytes = reader.take(2 * n)?.chunks_exact(2);
+                let values: Vec<half::bf16> =
+                    bytes.map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
+                Tensor::from_vec(values, dims, &Device::Cpu)?
+            }
+            F32_TAG => {
+                let bytes = reader.take(4 * n)?.chunks_exact(4);
+                let values: Vec<f32> = bytes.map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                Tensor::from_vec(values, dims, &Device::Cpu)?
+            }
+            tag => {
+                return Err(Error::Internal {
+                    what: format!("a ZeRO-1 state tensor of unknown dtype tag {tag}"),
+                })
+            }
+        };
+        tensors.push((name, tensor));
     }
     Ok(SavedState { json, tensors })
 }
@@ -259,14 +285,19 @@ mod tests {
         let tensors = vec![
             ("a/exp_avg".to_string(), Tensor::new(&[1.5f32, -0.0, f32::MIN_POSITIVE], &Device::Cpu)?),
             ("b/exp_avg_sq".to_string(), Tensor::new(&[[1f32, 2.0], [3.0, 1e-30]], &Device::Cpu)?),
+            (
+                "c/exp_avg".to_string(),
+                Tensor::new(&[1.5f32, -3e-39, 3e38], &Device::Cpu)?.to_dtype(DType::BF16)?,
+            ),
         ];
         let state = SavedState { json: "{\"step\":3}".into(), tensors };
         let back = decode(&encode(&state)?)?;
         assert_eq!(back.json, state.json);
         for ((n0, t0), (n1, t1)) in state.tensors.iter().zip(&back.tensors) {
-            assert_eq!((n0, t0.dims()), (n1, t1.dims()));
+            assert_eq!((n0, t0.dims(), t0.dtype()), (n1, t1.dims(), t1.dtype()));
             let bits = |t: &Tensor| -> Result<Vec<u32>> {
-                Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+                let t = t.to_dtype(DType::F32)?.flatten_all()?;
+                Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
             };
             assert_eq!(bits(t0)?, bits(t1)?);
         }
