@@ -115,7 +115,7 @@ fn header_cases(real: &[u8]) -> Outcome<Vec<Case>> {
         case(
             "wrong_dtype_moment_i32",
             edited(real, |h| h[&moment]["dtype"] = json!("I32"))?,
-            "optimizer state is F32",
+            "the saved settings keep this state in F32",
         ),
         case("unknown_dtype", edited(real, |h| h[&master]["dtype"] = json!("F128"))?, "checkpoint"),
         case(

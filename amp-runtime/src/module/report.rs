@@ -115,7 +115,7 @@ impl fmt::Display for PrecisionPlan {
             writeln!(
                 f,
                 "{:<path_width$}  {:<10}  {:<7}  {:<20}  {:>10}  {:>12}  {:>13}",
-                "optimizer state", "", "fp32", "", "", "", self.optimizer_state_bytes
+                "optimizer state", "", "", "", "", "", self.optimizer_state_bytes
             )?;
         }
         write!(

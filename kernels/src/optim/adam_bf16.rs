@@ -162,25 +162,12 @@ pub(crate) struct AdamBf16Slices<'a, G, W> {
 impl Step {
     /// A piece whose indices share their high 32 bits: one key, the low 32 bits of the first index.
     fn run(&self, t: AdamBf16Tensor<'_>, offset: u64) {
-        let key = block_key(step_key(t.stream, self.step), (offset >> 32) as u32);
-        match t.working {
-            None => {
-                self.with_grad::<f32>(t.master, t.grad, (t.exp_avg, t.exp_avg_sq), None, (key, offset as u32))
-            }
-            Some(HalfSliceMut::F16(w)) => self.with_grad::<f16>(
-                t.master,
-                t.grad,
-                (t.exp_avg, t.exp_avg_sq),
-                Some(w),
-                (key, offset as u32),
-            ),
-            Some(HalfSliceMut::Bf16(w)) => self.with_grad::<bf16>(
-                t.master,
-                t.grad,
-                (t.exp_avg, t.exp_avg_sq),
-                Some(w),
-                (key, offset as u32),
-            ),
+        let at = (block_key(step_key(t.stream, self.step), (offset >> 32) as u32), offset as u32);
+        let AdamBf16Tensor { master: p, grad, exp_avg: m, exp_avg_sq: v, working, .. } = t;
+        match working {
+            None => self.with_grad::<f32>(p, grad, (m, v), None, at),
+            Some(HalfSliceMut::F16(w)) => self.with_grad(p, grad, (m, v), Some(w), at),
+            Some(HalfSliceMut::Bf16(w)) => self.with_grad(p, grad, (m, v), Some(w), at),
         }
     }
 
