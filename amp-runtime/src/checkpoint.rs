@@ -4,6 +4,9 @@
 //! loads into an fp32 model and back bit for bit. Loading checks every tensor before it changes any:
 //! a checkpoint with a missing, unexpected, mis-shaped or mis-typed tensor is refused whole, with every
 //! problem named.
+//!
+//! An export ([`export`]) is the other kind of file: each weight in the precision its layer computes
+//! in, for inference ([`load_export`]); [`load`] refuses it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -16,6 +19,9 @@ use crate::{AmpModule, AmpModuleExt};
 
 mod checksum;
 mod durable;
+mod export;
+
+pub use export::{export, load_export, ExportReport};
 
 /// What is wrong with one tensor of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -196,6 +202,12 @@ pub(crate) fn save_with_masters<M: AmpModule + ?Sized>(
         metadata.insert(format!("{STATE_PREFIX}{key}"), saved.json);
         tensors.extend(saved.tensors.into_iter().map(|(name, t)| (format!("{STATE_PREFIX}{key}/{name}"), t)));
     }
+    write_file(path, &tensors, metadata)
+}
+
+/// Encodes `tensors` and `metadata` as safetensors with amp's checksums and writes them to `path`
+/// durably (a temporary file renamed over it).
+fn write_file(path: &Path, tensors: &[(String, Tensor)], metadata: HashMap<String, String>) -> Result<()> {
     let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
         .map_err(|source| Error::CheckpointEncode { path: path.to_path_buf(), source })?;
     let bytes = checksum::with_checksum(bytes)?;
@@ -240,7 +252,7 @@ pub fn load_with_options<M: AmpModule + ?Sized>(
     path: impl AsRef<Path>,
     options: LoadOptions,
 ) -> Result<()> {
-    let staged = stage(model, states, path.as_ref(), options)?;
+    let staged = stage(model, states, path.as_ref(), options, FileKind::Checkpoint)?;
     apply(model, states, staged)
 }
 
@@ -250,6 +262,15 @@ pub(crate) struct Staged {
     saved: Vec<SavedState>,
 }
 
+/// What a load expects `path` to be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FileKind {
+    /// A checkpoint ([`save_with`]): fp32 masters, maybe training states. An export is refused.
+    Checkpoint,
+    /// An export ([`export`]) or a checkpoint: parameters in f32, f16 or bf16, no training states.
+    Export,
+}
+
 /// Reads `path` and checks it against `model` and `states` as [`load_with_options`] does, changing
 /// nothing: what [`apply`] then writes (ZeRO-1's ranks all stage before any of them applies).
 pub(crate) fn stage<M: AmpModule + ?Sized>(
@@ -257,6 +278,7 @@ pub(crate) fn stage<M: AmpModule + ?Sized>(
     states: &[&mut dyn TrainingState],
     path: &Path,
     options: LoadOptions,
+    kind: FileKind,
 ) -> Result<Staged> {
     distinct_keys(states.iter().map(|s| s.state_key()))?;
     let unreadable = |source: Box<dyn std::error::Error + Send + Sync>| Error::CheckpointUnreadable {
@@ -272,6 +294,9 @@ pub(crate) fn stage<M: AmpModule + ?Sized>(
         safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| unreadable(Box::new(e)))?;
     let metadata = header.metadata().clone().unwrap_or_default();
     checksum::verify(&bytes[8 + header_len..], &header, path)?;
+    if kind == FileKind::Checkpoint && export::is_export(&metadata) {
+        return Err(Error::CheckpointIsExport { path: path.to_path_buf() });
+    }
     // Read and checked in host memory: on a GPU the model and its optimizer state already fill the
     // device, and the checks read every value on the host anyway. Applying copies each tensor over.
     let mut tensors =
@@ -279,7 +304,7 @@ pub(crate) fn stage<M: AmpModule + ?Sized>(
     drop(bytes);
     let saved = take_states(states, &metadata, &mut tensors, path)?;
 
-    let mut problems = check(&model.named_params(), &model.named_buffers(), &tensors);
+    let mut problems = check(&model.named_params(), &model.named_buffers(), &tensors, kind);
     problems.extend(convert_to_storage(&model.named_params(), &mut tensors)?);
     if !options.allow_non_finite {
         let state_tensors = states.iter().zip(&saved).flat_map(|(state, one)| {
@@ -419,11 +444,19 @@ fn check(
     params: &[(String, crate::Param)],
     buffers: &[(String, candle_core::Var)],
     tensors: &HashMap<String, Tensor>,
+    kind: FileKind,
 ) -> Vec<CheckpointProblem> {
     let mut problems = Vec::new();
-    let expected =
-        params.iter().map(|(name, p)| (name, p.master())).chain(buffers.iter().map(|(n, b)| (n, b)));
-    for (name, master) in expected {
+    // An export holds each parameter in the precision its layer computes in; buffers stay f32.
+    let accepted = |is_param: bool, dtype: DType| {
+        dtype == DType::F32
+            || (kind == FileKind::Export && is_param && matches!(dtype, DType::F16 | DType::BF16))
+    };
+    let expected = params
+        .iter()
+        .map(|(name, p)| (name, p.master(), true))
+        .chain(buffers.iter().map(|(n, b)| (n, b, false)));
+    for (name, master, is_param) in expected {
         let Some(tensor) = tensors.get(name) else {
             problems.push(CheckpointProblem::Missing { name: name.clone() });
             continue;
@@ -434,7 +467,7 @@ fn check(
                 expected: master.dims().to_vec(),
                 found: tensor.dims().to_vec(),
             });
-        } else if tensor.dtype() != DType::F32 {
+        } else if !accepted(is_param, tensor.dtype()) {
             problems.push(CheckpointProblem::DType {
                 name: name.clone(),
                 expected: DType::F32,

@@ -143,6 +143,34 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    /// `load` was given an export ([`crate::checkpoint::export`]): half-precision weights for inference,
+    /// no fp32 masters, no training state; nothing was loaded.
+    #[error(
+        "{} is an export (each weight in the precision its layer computes in, for inference), not a \
+         checkpoint to resume training from; the model is unchanged: load it with \
+         `checkpoint::load_export`, or resume from a checkpoint written by `checkpoint::save_with`",
+        path.display()
+    )]
+    CheckpointIsExport {
+        /// The file.
+        path: std::path::PathBuf,
+    },
+    /// An export would turn finite weights into infinities (fp16's range ends at 65504); nothing was
+    /// written.
+    #[error(
+        "export {} refused, nothing written: weights beyond the range of the half type their layers \
+         compute in would become inf: {overflowing}; compute those layers in bf16 or fp32 \
+         (`#[amp(bf16)]` / `#[amp(fp32)]`, or `AmpConfig::with_half(Precision::Bf16)`) and export again",
+        path.display()
+    )]
+    ExportOverflow {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The parameters, how many of their values overflow and in which dtype, as
+        /// `` `name` (count in dtype) `` items.
+        overflowing: String,
+    },
+
     // ---- models built through a VarBuilder ----
     /// An `AmpVarMap` used in a way that would let the model's tensors and the trained values part.
     #[error("AmpVarMap: {reason}")]

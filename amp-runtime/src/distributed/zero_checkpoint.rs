@@ -136,7 +136,13 @@ impl Zero1<'_> {
         // Every rank reads and checks the file first (its optimizer checks the tensors it owns); only
         // when all of them can load it does any of them change its model and states.
         let options = crate::checkpoint::LoadOptions::default();
-        let staged = crate::checkpoint::stage(model, states, path.as_ref(), options);
+        let staged = crate::checkpoint::stage(
+            model,
+            states,
+            path.as_ref(),
+            options,
+            crate::checkpoint::FileKind::Checkpoint,
+        );
         match (agree_non_finite(self.communicator(), staged.is_err())?, staged) {
             (None, Ok(staged)) => crate::checkpoint::apply(model, states, staged),
             (_, Err(e)) => Err(e),

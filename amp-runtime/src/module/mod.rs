@@ -62,7 +62,10 @@ pub trait AmpModule {
 pub trait HalfSafe {}
 
 /// Walks every layer of `module` with a closure.
-fn for_each_layer<M: AmpModule + ?Sized>(module: &M, mut f: impl FnMut(LayerSite<'_>, &dyn crate::Layer)) {
+pub(crate) fn for_each_layer<M: AmpModule + ?Sized>(
+    module: &M,
+    mut f: impl FnMut(LayerSite<'_>, &dyn crate::Layer),
+) {
     module.visit(&mut Cursor::new(), &mut |site: LayerSite<'_>, layer: &dyn crate::Layer| f(site, layer));
 }
 
