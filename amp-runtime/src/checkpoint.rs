@@ -19,9 +19,9 @@ use crate::{AmpModule, AmpModuleExt};
 
 mod checksum;
 mod durable;
-mod export;
+mod inference;
 
-pub use export::{export, load_export, ExportReport};
+pub use inference::{export, load_export, ExportReport};
 
 /// What is wrong with one tensor of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -294,7 +294,7 @@ pub(crate) fn stage<M: AmpModule + ?Sized>(
         safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| unreadable(Box::new(e)))?;
     let metadata = header.metadata().clone().unwrap_or_default();
     checksum::verify(&bytes[8 + header_len..], &header, path)?;
-    if kind == FileKind::Checkpoint && export::is_export(&metadata) {
+    if kind == FileKind::Checkpoint && inference::is_export(&metadata) {
         return Err(Error::CheckpointIsExport { path: path.to_path_buf() });
     }
     // Read and checked in host memory: on a GPU the model and its optimizer state already fill the
