@@ -120,6 +120,8 @@ pub struct FusedAdam {
     /// State: `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (used with AMSGrad only), in f32, or the
     /// first two in bf16 ([`StateDtype::Bf16`]).
     core: Core<AdamConfig, [Buffers; 3]>,
+    /// Each parameter's random stream for bf16 moments' rounding ([`stream_of`] its path).
+    streams: Vec<u64>,
 }
 
 /// The same optimizer as [`FusedAdam`], named for readability: the config alone picks AdamW
@@ -132,7 +134,8 @@ impl FusedAdam {
         config.validate()?;
         validate::groups(&groups.groups)?;
         let state = Self::fresh_state(&config, &groups.params);
-        Ok(FusedAdam { core: Core::new(groups, config, state) })
+        let streams = groups.params.iter().map(|p| stream_of(&p.path)).collect();
+        Ok(FusedAdam { core: Core::new(groups, config, state), streams })
     }
 
     /// Names the optimizer in checkpoints (default `"optimizer"`), so that two optimizers (of two models,
@@ -229,7 +232,7 @@ impl FusedAdam {
     ) -> Result<()> {
         let core = &mut self.core;
         let present = driver::with_grads(&core.groups.params, Some(group), grads)?;
-        let streams: Vec<u64> = core.groups.params.iter().map(|p| stream_of(&p.path)).collect();
+        let streams = &self.streams;
         let [m, v, _] = &mut core.state;
         let (m, v) = (m.bf16_mut()?, v.bf16_mut()?);
         driver::for_each_batch(&core.groups.params, &present, |indices, views| {

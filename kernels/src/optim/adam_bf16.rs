@@ -14,8 +14,8 @@
 //! [`crate::reference::adam_step_bf16_state`] is the element-by-element oracle.
 //!
 //! Per element the AVX2 path adds a hash (two 32-bit multiplies) and two roundings to the f32 step:
-//! where the step was bound by memory it gets faster, where by arithmetic (the divisions and square
-//! root of every Adam step, on a CPU with much bandwidth per core) it stays as fast.
+//! where the step was bound by memory it gets faster; where it was not (a CPU with much bandwidth per
+//! core) it stays about as fast.
 
 use half::{bf16, f16};
 
