@@ -154,8 +154,8 @@ fn adam_and_adamw_match_the_f64_reference_in_every_precision() -> amp::Result<()
 fn sgd_matches_the_f64_reference_in_every_precision() -> amp::Result<()> {
     let configs = [
         SgdConfig { lr: 0.01, ..SgdConfig::default() },
-        SgdConfig { lr: 0.01, momentum: 0.9, dampening: 0.1, weight_decay: 0.01, nesterov: false },
-        SgdConfig { lr: 0.01, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: true },
+        SgdConfig { lr: 0.01, momentum: 0.9, dampening: 0.1, weight_decay: 0.01, ..SgdConfig::default() },
+        SgdConfig { lr: 0.01, momentum: 0.9, nesterov: true, ..SgdConfig::default() },
     ];
     for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
         for c in configs {

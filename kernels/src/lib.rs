@@ -4,7 +4,7 @@
 //! - [`unscale`]: multiply gradients by `1 / loss_scale` and detect infinities and NaNs, in one pass.
 //! - [`norm`]: deterministic global and per-tensor L2 norms (gradient clipping, LAMB).
 //! - [`optim`]: fused Adam / AdamW, SGD and LAMB steps over fp32 master weights and fp32 state (Adam's
-//!   moments also in bf16), reading f32, f16 or bf16 gradients and optionally writing the f16 / bf16
+//!   moments and SGD's momentum buffer also in bf16), reading f32, f16 or bf16 gradients and optionally writing the f16 / bf16
 //!   working copy in the same pass.
 //! - [`stochastic`]: f32 to bf16 with stochastic rounding, from counter-based random bits.
 //! - [`clip`]: clipping by value, and the clip-by-norm coefficient.

@@ -8,6 +8,7 @@ use super::core::Core;
 use super::driver::{self, select_mut};
 use super::params::{OptimParam, ParamGroups};
 use super::state::{Buffers, Checkpointed};
+use super::state_dtype::{self, StateDtype};
 use super::validate;
 use super::FusedOptimizer;
 use crate::error::Result;
@@ -32,30 +33,11 @@ pub struct AdamConfig {
     /// Divide the moments by `1 - beta^t` (true).
     pub bias_correction: bool,
     /// The dtype the moments are kept in ([`StateDtype::F32`]). [`StateDtype::Bf16`] halves the
-    /// optimizer's memory, rounding the moments stochastically (CPU only; no AMSGrad).
+    /// optimizer's memory, rounding the moments stochastically (CPU only; no AMSGrad). With the default
+    /// betas the rounding's noise is about 5% of `v` and well under 1% of `m` per element (measured in
+    /// `kernels/tests/adam_bf16.rs`), which moves each step's size by about half as much as it moves `v`.
     #[serde(default)]
     pub state_dtype: StateDtype,
-}
-
-/// The dtype of [`FusedAdam`]'s moments.
-///
-/// `Bf16` keeps `exp_avg` and `exp_avg_sq` in bf16: 4 bytes of state per parameter instead of 8, and
-/// a step that moves 20 bytes per parameter instead of 28 (f32 gradients). The step computes in f32 as
-/// with f32 state, on the moments widened exactly, and rounds them back **stochastically**
-/// (`amp_kernels::stochastic`): the small change a step makes to a running average (0.1% of `v` with
-/// the default `beta2`) is below half a bf16 step, so rounding to nearest would drop it and `v` would
-/// stop following the gradients. Stochastic rounding keeps every change in expectation; the price is
-/// noise, about 5% of `v` and well under 1% of `m` per element with the default betas (measured in
-/// `kernels/tests/adam_bf16.rs`), which moves each step's size by about half as much as it moves `v`.
-/// The random bits depend on the parameter's path, the step and the element only: a run is
-/// reproducible and a resumed run continues exactly. The masters stay f32.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum StateDtype {
-    /// f32 moments, as PyTorch and Apex keep them (the default).
-    #[default]
-    F32,
-    /// bf16 moments, rounded stochastically.
-    Bf16,
 }
 
 impl Default for AdamConfig {
@@ -120,7 +102,7 @@ pub struct FusedAdam {
     /// State: `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (used with AMSGrad only), in f32, or the
     /// first two in bf16 ([`StateDtype::Bf16`]).
     core: Core<AdamConfig, [Buffers; 3]>,
-    /// Each parameter's random stream for bf16 moments' rounding ([`stream_of`] its path).
+    /// Each parameter's random stream for bf16 moments' rounding.
     streams: Vec<u64>,
 }
 
@@ -134,7 +116,7 @@ impl FusedAdam {
         config.validate()?;
         validate::groups(&groups.groups)?;
         let state = Self::fresh_state(&config, &groups.params);
-        let streams = groups.params.iter().map(|p| stream_of(&p.path)).collect();
+        let streams = state_dtype::streams(&groups.params);
         Ok(FusedAdam { core: Core::new(groups, config, state), streams })
     }
 
@@ -159,13 +141,7 @@ impl FusedAdam {
     /// One step on the CUDA device of the gradients (the state moves there on the first).
     #[cfg(feature = "cuda")]
     fn device_step(&mut self, grads: &GradStore, gate: crate::cuda::Gate<'_>) -> Result<()> {
-        if self.core.config.state_dtype == StateDtype::Bf16 {
-            return Err(crate::Error::InvalidOptimizerConfig {
-                reason: "bf16 optimizer state (`state_dtype: StateDtype::Bf16`) is stepped on the CPU only; \
-                         these gradients are on a CUDA device: use `StateDtype::F32` there"
-                    .into(),
-            });
-        }
+        self.core.config.state_dtype.refuse_on_cuda()?;
         let params: Vec<AdamParams> =
             (0..self.core.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
         self.core.device_step(grads, gate, |group, (kernels, stream, table, inputs)| {
@@ -253,13 +229,6 @@ impl FusedAdam {
             adam_step_bf16_state(&mut tensors, params, inv_scale);
         })
     }
-}
-
-/// A parameter's random stream for stochastic rounding: FNV-1a of its path, the same in every run and
-/// on every rank (ZeRO-1 shards whole parameters).
-fn stream_of(path: &str) -> u64 {
-    path.bytes()
-        .fold(0xCBF2_9CE4_8422_2325, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01B3))
 }
 
 impl FusedOptimizer for FusedAdam {

@@ -4,8 +4,8 @@
 //! memory bus. The fused step reads the gradient in its own dtype (f32, f16 or bf16) and still scaled by
 //! the loss scale, unscales it inline, updates the fp32 master and the fp32 state, and writes the half
 //! working copy, all in one pass, with no temporary tensor. State is fp32 whatever the parameters are,
-//! except Adam's moments where asked for in bf16 ([`StateDtype::Bf16`]: half the bytes, rounded
-//! stochastically).
+//! except Adam's moments and SGD's momentum buffer where asked for in bf16 ([`StateDtype::Bf16`]: half
+//! the bytes, rounded stochastically).
 //!
 //! ```
 //! use amp_runtime::nn::{linear, Linear};
@@ -39,12 +39,14 @@ mod lamb;
 mod params;
 mod sgd;
 mod state;
+mod state_dtype;
 pub(crate) mod validate;
 
-pub use adam::{AdamConfig, FusedAdam, FusedAdamW, StateDtype};
+pub use adam::{AdamConfig, FusedAdam, FusedAdamW};
 pub use lamb::{FusedLamb, LambConfig};
 pub use params::{GroupOptions, OptimParam, ParamGroups};
 pub use sgd::{FusedSgd, SgdConfig};
+pub use state_dtype::StateDtype;
 
 use candle_core::backprop::GradStore;
 use candle_core::DType;

@@ -21,9 +21,10 @@ use half::{bf16, f16};
 
 use super::adam::{AdamConsts, AdamParams};
 use super::check_len;
+use super::offset::Offset;
 use crate::backend::{dispatch, Backend, Element};
 use crate::par::{self, Kernel, Piece, Tensors};
-use crate::stochastic::{before_key_change, block_key, stream_key};
+use crate::stochastic::{block_key, stream_key};
 use crate::{GradSlice, HalfSliceMut, Isa};
 
 /// One parameter tensor of an Adam step with bf16 moments. All slices must have the master's length.
@@ -87,18 +88,12 @@ pub fn adam_step_bf16_state_with(
     par::run(tensors, &kernel);
 }
 
-/// A piece of a tensor and where it starts in it (the index the random bits are drawn for).
-pub(crate) struct Part<'a> {
-    tensor: AdamBf16Tensor<'a>,
-    offset: u64,
-}
-
-impl Piece for Part<'_> {
+impl Piece for AdamBf16Tensor<'_> {
     fn len(&self) -> usize {
-        self.tensor.master.len()
+        self.master.len()
     }
     fn split_at(self, mid: usize) -> (Self, Self) {
-        let AdamBf16Tensor { master, grad, exp_avg, exp_avg_sq, working, stream } = self.tensor;
+        let AdamBf16Tensor { master, grad, exp_avg, exp_avg_sq, working, stream } = self;
         let (p0, p1) = master.split_at_mut(mid);
         let (g0, g1) = grad.split_at(mid);
         let (m0, m1) = exp_avg.split_at_mut(mid);
@@ -108,17 +103,12 @@ impl Piece for Part<'_> {
             None => (None, None),
         };
         let first = AdamBf16Tensor { master: p0, grad: g0, exp_avg: m0, exp_avg_sq: v0, working: w0, stream };
-        let second =
-            AdamBf16Tensor { master: p1, grad: g1, exp_avg: m1, exp_avg_sq: v1, working: w1, stream };
-        (
-            Part { tensor: first, offset: self.offset },
-            Part { tensor: second, offset: self.offset + mid as u64 },
-        )
+        (first, AdamBf16Tensor { master: p1, grad: g1, exp_avg: m1, exp_avg_sq: v1, working: w1, stream })
     }
 }
 
 impl<'a> Tensors for &'a mut [AdamBf16Tensor<'_>] {
-    type Piece = Part<'a>;
+    type Piece = Offset<AdamBf16Tensor<'a>>;
     type Slot = ();
     fn count(&self) -> usize {
         self.len()
@@ -129,7 +119,7 @@ impl<'a> Tensors for &'a mut [AdamBf16Tensor<'_>] {
     fn split_at(self, i: usize) -> (Self, Self) {
         self.split_at_mut(i)
     }
-    fn into_single(self) -> (Part<'a>, ()) {
+    fn into_single(self) -> (Offset<AdamBf16Tensor<'a>>, ()) {
         let t = &mut self[0];
         let tensor = AdamBf16Tensor {
             master: &mut *t.master,
@@ -139,7 +129,7 @@ impl<'a> Tensors for &'a mut [AdamBf16Tensor<'_>] {
             working: t.working.as_mut().map(HalfSliceMut::reborrow),
             stream: t.stream,
         };
-        (Part { tensor, offset: 0 }, ())
+        (Offset { piece: tensor, offset: 0 }, ())
     }
 }
 
@@ -201,16 +191,8 @@ impl<'a> Kernel<&'a mut [AdamBf16Tensor<'_>]> for Step {
     type Acc = ();
     type Out = ();
 
-    fn leaf(&self, part: Part<'a>) {
-        // Split where an index's high 32 bits change (a tensor of more than 2^32 elements).
-        let mut rest = part;
-        while rest.len() > before_key_change(rest.offset) {
-            let room = before_key_change(rest.offset);
-            let (head, tail) = rest.split_at(room);
-            self.run(head.tensor, head.offset);
-            rest = tail;
-        }
-        self.run(rest.tensor, rest.offset);
+    fn leaf(&self, part: Offset<AdamBf16Tensor<'a>>) {
+        part.for_each_key_run(|tensor, offset| self.run(tensor, offset));
     }
     fn merge(&self, (): (), (): ()) {}
     fn finish(&self, _index: usize, (): (), (): ()) {}

@@ -9,7 +9,7 @@
 use half::bf16;
 
 use super::{stochastic, Elem, BLOCK};
-use crate::optim::{AdamBf16Slices, AdamConsts, AdamSlices, SgdConsts, SgdSlices};
+use crate::optim::{AdamBf16Slices, AdamConsts, AdamSlices, SgdBf16Slices, SgdConsts, SgdSlices};
 
 /// `[start, end)` of each block of a piece of `n` elements.
 pub(crate) fn blocks(n: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -157,5 +157,25 @@ pub(crate) fn sgd<G: Elem, Wk: Elem>(s: SgdSlices<'_, G, Wk>, c: &SgdConsts) {
         if let Some(w) = w.as_deref_mut() {
             Wk::narrow(pb, &mut w[s..e]);
         }
+    }
+}
+
+/// One SGD step with a bf16 momentum buffer on one piece: block by block, the buffer widened, [`sgd`]'s
+/// f32 step, the buffer rounded back stochastically (element `i` with the low half of the random bits
+/// of index `first + i` of stream `key`), as the AVX2 kernel does in registers.
+pub(crate) fn sgd_bf16_state<G: Elem, Wk: Elem>(
+    s: SgdBf16Slices<'_, G, Wk>,
+    c: &SgdConsts,
+    key: u32,
+    first: u32,
+) {
+    let SgdBf16Slices { p, g, buf, mut w } = s;
+    let mut b32 = [0f32; BLOCK];
+    for (s, e) in blocks(p.len()) {
+        let bb = &mut b32[..e - s];
+        bf16::widen(&buf[s..e], bb);
+        let w = w.as_deref_mut().map(|w| &mut w[s..e]);
+        sgd::<G, Wk>(SgdSlices { p: &mut p[s..e], g: &g[s..e], buf: Some(&mut *bb), w }, c);
+        stochastic::narrow_bf16(bb, &mut buf[s..e], key, first.wrapping_add(s as u32), 0);
     }
 }

@@ -3,8 +3,8 @@
 
 use super::{get, set_half};
 use crate::optim::{
-    step_key, AdamBf16Tensor, AdamParams, AdamTensor, LambParams, LambTensor, SgdParams, SgdTensor,
-    TensorNorms,
+    sgd_step_key, step_key, AdamBf16Tensor, AdamParams, AdamTensor, LambParams, LambTensor, SgdBf16Tensor,
+    SgdParams, SgdTensor, TensorNorms,
 };
 use crate::stochastic::{random_bits, round_bf16};
 
@@ -135,6 +135,32 @@ pub fn sgd_step(tensors: &mut [SgdTensor<'_>], hp: &SgdParams, inv_grad_scale: f
             if let Some(w) = t.working.as_mut() {
                 set_half(w, i, t.master[i]);
             }
+        }
+    }
+}
+
+/// Reference [`crate::optim::sgd_step_bf16_state`]: element by element, the buffer widened, the f32
+/// formula of [`sgd_step`], the buffer rounded back with the low half of the random bits of the
+/// element's index in its tensor.
+pub fn sgd_step_bf16_state(
+    tensors: &mut [SgdBf16Tensor<'_>],
+    hp: &SgdParams,
+    step: u64,
+    inv_grad_scale: f32,
+) {
+    assert!(hp.momentum != 0.0, "a bf16 momentum buffer needs momentum");
+    for t in tensors {
+        let key = sgd_step_key(t.stream, step);
+        for i in 0..t.master.len() {
+            let mut b = [t.momentum_buffer[i].to_f32()];
+            let one = SgdTensor {
+                master: &mut t.master[i..=i],
+                grad: t.grad.split_at(i).1.split_at(1).0,
+                momentum_buffer: Some(&mut b),
+                working: t.working.as_mut().map(|w| w.reborrow().split_at(i).1.split_at(1).0),
+            };
+            sgd_step(&mut [one], hp, inv_grad_scale);
+            t.momentum_buffer[i] = round_bf16(b[0], random_bits(key, i as u64));
         }
     }
 }

@@ -14,7 +14,7 @@ use std::ptr::null_mut;
 use half::bf16;
 
 use super::{offset, opt_ptr, pad, stochastic, unpad, Elem, W};
-use crate::optim::{AdamBf16Slices, AdamConsts, AdamSlices, SgdConsts, SgdSlices};
+use crate::optim::{AdamBf16Slices, AdamConsts, AdamSlices, SgdBf16Slices, SgdConsts, SgdSlices};
 
 // ---- Adam ----------------------------------------------------------------------------------------
 
@@ -232,26 +232,93 @@ struct SgdV {
     nesterov: bool,
 }
 
+impl SgdV {
+    /// The constants broadcast to 8 lanes.
+    ///
+    /// # Safety
+    /// AVX available.
+    #[inline(always)]
+    unsafe fn new(c: &SgdConsts) -> SgdV {
+        // SAFETY: caller guarantees AVX.
+        unsafe {
+            SgdV {
+                inv_scale: _mm256_set1_ps(c.inv_scale),
+                weight_decay: _mm256_set1_ps(c.weight_decay),
+                momentum: _mm256_set1_ps(c.momentum),
+                one_minus_dampening: _mm256_set1_ps(c.one_minus_dampening),
+                lr: _mm256_set1_ps(c.lr),
+                l2: c.l2,
+                first: c.first,
+                nesterov: c.nesterov,
+            }
+        }
+    }
+}
+
+/// SGD's step direction on 8 lanes: the gradient (still scaled) unscaled, plus the L2 term.
+#[inline(always)]
+unsafe fn direction8(k: &SgdV, g: __m256, p: __m256) -> __m256 {
+    // SAFETY: caller guarantees AVX2.
+    unsafe {
+        let d = _mm256_mul_ps(g, k.inv_scale);
+        if k.l2 {
+            _mm256_add_ps(d, _mm256_mul_ps(k.weight_decay, p))
+        } else {
+            d
+        }
+    }
+}
+
+/// The momentum on 8 lanes: from the direction and the buffer (read only when it blends: `load_buf`),
+/// the new buffer and the direction the master moves in.
+#[inline(always)]
+unsafe fn momentum8(k: &SgdV, d: __m256, load_buf: impl FnOnce() -> __m256) -> (__m256, __m256) {
+    // SAFETY: caller guarantees AVX2.
+    unsafe {
+        let b = if k.first {
+            d
+        } else {
+            let kept = _mm256_mul_ps(load_buf(), k.momentum);
+            _mm256_add_ps(kept, _mm256_mul_ps(k.one_minus_dampening, d))
+        };
+        (b, if k.nesterov { _mm256_add_ps(d, _mm256_mul_ps(k.momentum, b)) } else { b })
+    }
+}
+
 #[inline(always)]
 unsafe fn sgd8<G: Elem, Wk: Elem>(k: &SgdV, p: *mut f32, g: *const G, buf: *mut f32, w: *mut Wk) {
     // SAFETY: caller guarantees AVX2/FMA/F16C and 8 valid elements behind every non-null pointer.
     unsafe {
-        let mut d = _mm256_mul_ps(G::load8(g), k.inv_scale);
-        let mut pv = _mm256_loadu_ps(p);
-        if k.l2 {
-            d = _mm256_add_ps(d, _mm256_mul_ps(k.weight_decay, pv));
-        }
+        let pv = _mm256_loadu_ps(p);
+        let mut d = direction8(k, G::load8(g), pv);
         if !buf.is_null() {
-            let b = if k.first {
-                d
-            } else {
-                let kept = _mm256_mul_ps(_mm256_loadu_ps(buf), k.momentum);
-                _mm256_add_ps(kept, _mm256_mul_ps(k.one_minus_dampening, d))
-            };
+            let b;
+            (b, d) = momentum8(k, d, || _mm256_loadu_ps(buf));
             _mm256_storeu_ps(buf, b);
-            d = if k.nesterov { _mm256_add_ps(d, _mm256_mul_ps(k.momentum, b)) } else { b };
         }
-        pv = _mm256_sub_ps(pv, _mm256_mul_ps(k.lr, d));
+        let pv = _mm256_sub_ps(pv, _mm256_mul_ps(k.lr, d));
+        _mm256_storeu_ps(p, pv);
+        if !w.is_null() {
+            Wk::store8(w, pv);
+        }
+    }
+}
+
+/// [`sgd8`] with a bf16 buffer, widened when loaded and rounded stochastically (the low half of
+/// `random`) when stored. The master's update reads the unrounded buffer.
+#[inline(always)]
+unsafe fn sgd8_bf16_state<G: Elem, Wk: Elem>(
+    k: &SgdV,
+    (p, g, buf): (*mut f32, *const G, *mut bf16),
+    w: *mut Wk,
+    random: __m256i,
+) {
+    // SAFETY: caller guarantees AVX2/FMA/F16C and 8 valid elements behind every non-null pointer.
+    unsafe {
+        let pv = _mm256_loadu_ps(p);
+        let (b, d) = momentum8(k, direction8(k, G::load8(g), pv), || bf16::load8(buf));
+        stochastic::store8(buf, b, random, false);
+        let pv = _mm256_sub_ps(pv, _mm256_mul_ps(k.lr, d));
         _mm256_storeu_ps(p, pv);
         if !w.is_null() {
             Wk::store8(w, pv);
@@ -265,16 +332,8 @@ unsafe fn sgd8<G: Elem, Wk: Elem>(k: &SgdV, p: *mut f32, g: *const G, buf: *mut 
 /// AVX2, FMA and F16C available.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn sgd<G: Elem, Wk: Elem>(s: SgdSlices<'_, G, Wk>, c: &SgdConsts) {
-    let k = SgdV {
-        inv_scale: _mm256_set1_ps(c.inv_scale),
-        weight_decay: _mm256_set1_ps(c.weight_decay),
-        momentum: _mm256_set1_ps(c.momentum),
-        one_minus_dampening: _mm256_set1_ps(c.one_minus_dampening),
-        lr: _mm256_set1_ps(c.lr),
-        l2: c.l2,
-        first: c.first,
-        nesterov: c.nesterov,
-    };
+    // SAFETY: AVX2 enabled here.
+    let k = unsafe { SgdV::new(c) };
     let SgdSlices { p, g, mut buf, mut w } = s;
     let n = p.len();
     let body = n - n % W;
@@ -293,6 +352,47 @@ pub(crate) unsafe fn sgd<G: Elem, Wk: Elem>(s: SgdSlices<'_, G, Wk>, c: &SgdCons
         unsafe { sgd8(&k, tp.as_mut_ptr(), tg.as_ptr(), opt_ptr(&mut tb), opt_ptr(&mut tw)) };
         p[body..].copy_from_slice(&tp[..n - body]);
         unpad(buf.map(|x| &mut x[body..]), tb);
+        unpad(w.map(|x| &mut x[body..]), tw);
+    }
+}
+
+/// One SGD step with a bf16 momentum buffer on one piece, element `i` rounded with the random bits of
+/// index `first + i` of stream `key` (`crate::stochastic`).
+///
+/// # Safety
+/// AVX2, FMA and F16C available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sgd_bf16_state<G: Elem, Wk: Elem>(
+    s: SgdBf16Slices<'_, G, Wk>,
+    c: &SgdConsts,
+    key: u32,
+    first: u32,
+) {
+    // SAFETY: AVX2 enabled here.
+    let k = unsafe { SgdV::new(c) };
+    let keys = _mm256_set1_epi32(key as i32);
+    let SgdBf16Slices { p, g, buf, mut w } = s;
+    let n = p.len();
+    let body = n - n % W;
+    let base = (p.as_mut_ptr(), g.as_ptr(), buf.as_mut_ptr());
+    let wp = w.as_deref_mut().map_or(null_mut(), <[Wk]>::as_mut_ptr);
+    for i in (0..body).step_by(W) {
+        // SAFETY: i + 8 <= body <= n, the length of every slice.
+        unsafe {
+            let random = stochastic::random8(keys, first.wrapping_add(i as u32));
+            sgd8_bf16_state(&k, (base.0.add(i), base.1.add(i), base.2.add(i)), offset(wp, i), random);
+        }
+    }
+    if body < n {
+        let (mut tp, tg, mut tb) = (pad(&p[body..]), pad(&g[body..]), pad(&buf[body..]));
+        let mut tw = w.as_deref().map(|x| pad(&x[body..]));
+        // SAFETY: stack buffers of 8; the padding lanes' results are dropped.
+        unsafe {
+            let random = stochastic::random8(keys, first.wrapping_add(body as u32));
+            sgd8_bf16_state(&k, (tp.as_mut_ptr(), tg.as_ptr(), tb.as_mut_ptr()), opt_ptr(&mut tw), random);
+        }
+        p[body..].copy_from_slice(&tp[..n - body]);
+        buf[body..].copy_from_slice(&tb[..n - body]);
         unpad(w.map(|x| &mut x[body..]), tw);
     }
 }
