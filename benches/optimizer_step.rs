@@ -8,7 +8,8 @@
 //!
 //! Bytes counted: fp32 AdamW reads p, g, m, v and writes p, m, v: 28 B/param. Mixed reads an f16 g,
 //! p, m, v and writes p, m, v and the f16 working copy: 2 + 12 + 12 + 2 = 28 B/param; with bf16 moments
-//! 2 + 8 + 8 + 2 = 20 B/param. The bandwidth
+//! 2 + 8 + 8 + 2 = 20 B/param. SGD with momentum (mixed f16) reads g, p, buf and writes p, buf and the
+//! copy: 2 + 8 + 8 + 2 = 20 B/param with an f32 buffer, 16 with a bf16 one. The bandwidth
 //! reference is an in-place stream update `a = a + s * b` (two reads, one write back to a line just
 //! read: 12 B/element, all of it real traffic, as in the optimizer; a triad into a third array would pay
 //! an uncounted write-allocate).
@@ -18,7 +19,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use amp::nn::Linear;
-use amp::optim::{AdamConfig, FusedAdam, FusedOptimizer, ParamGroups, StateDtype};
+use amp::optim::{AdamConfig, FusedAdam, FusedOptimizer, FusedSgd, ParamGroups, SgdConfig, StateDtype};
 use amp::{AmpConfig, AmpModuleExt, OptLevel, Param, Precision};
 use amp_kernels::timing::Interleaved;
 use candle_core::backprop::GradStore;
@@ -97,12 +98,24 @@ fn main() -> amp::Result<()> {
     amp::initialize(&mut mixed_model, AmpConfig { opt_level: OptLevel::O2, half: Precision::Fp16 })?;
     let mixed_grads = grads_for(&mixed_model.trainable_vars())?;
     let mut mixed = FusedAdam::new(ParamGroups::from_model(&mixed_model)?, AdamConfig::default())?;
+    // Mixed models of their own (each optimizer moves its masters), with their f16 gradients.
+    let mixed_model = || -> amp::Result<(Vec<Linear>, GradStore)> {
+        let mut model: Vec<Linear> = make()?.into_iter().map(|v| Linear::new(Param::new(v), None)).collect();
+        amp::initialize(&mut model, AmpConfig { opt_level: OptLevel::O2, half: Precision::Fp16 })?;
+        let grads = grads_for(&model.trainable_vars())?;
+        Ok((model, grads))
+    };
     // The same with bf16 moments.
-    let mut bf16_model: Vec<Linear> = make()?.into_iter().map(|v| Linear::new(Param::new(v), None)).collect();
-    amp::initialize(&mut bf16_model, AmpConfig { opt_level: OptLevel::O2, half: Precision::Fp16 })?;
-    let bf16_grads = grads_for(&bf16_model.trainable_vars())?;
+    let (bf16_model, bf16_grads) = mixed_model()?;
     let bf16_state = AdamConfig { state_dtype: StateDtype::Bf16, ..AdamConfig::default() };
     let mut bf16 = FusedAdam::new(ParamGroups::from_model(&bf16_model)?, bf16_state)?;
+    // SGD with momentum, the buffer in f32 and in bf16.
+    let sgd = SgdConfig { momentum: 0.9, ..SgdConfig::default() };
+    let (sgd_model, sgd_grads) = mixed_model()?;
+    let mut sgd32 = FusedSgd::new(ParamGroups::from_model(&sgd_model)?, sgd)?;
+    let (sgd16_model, sgd16_grads) = mixed_model()?;
+    let sgd16_config = SgdConfig { state_dtype: StateDtype::Bf16, ..sgd };
+    let mut sgd16 = FusedSgd::new(ParamGroups::from_model(&sgd16_model)?, sgd16_config)?;
     // Stream update over as many elements as the parameters.
     let (mut a, b) = (vec![1f32; n], vec![2f32; n]);
     let triad = |a: &mut [f32]| {
@@ -115,7 +128,7 @@ fn main() -> amp::Result<()> {
 
     // Interleaved rounds (amp_kernels::timing, the harness of the kernels' bench too): stream, fused,
     // mixed, mixed with bf16 moments, and candle-nn's AdamW every third round (it is 50x slower).
-    let mut harness = Interleaved::new(5, 0);
+    let mut harness = Interleaved::new(7, 0);
     let mut allocations = (0, 0, 0);
     for round in 0..9 {
         let mut r = harness.round();
@@ -123,6 +136,8 @@ fn main() -> amp::Result<()> {
         r.time(|| fused.step(&fused_grads))?;
         r.time(|| mixed.step_scaled(&mixed_grads, 1.0))?;
         r.time(|| bf16.step_scaled(&bf16_grads, 1.0))?;
+        r.time(|| sgd32.step_scaled(&sgd_grads, 1.0))?;
+        r.time(|| sgd16.step_scaled(&sgd16_grads, 1.0))?;
         if round % 3 == 0 {
             r.time(|| candle.step(&candle_grads))?;
         } else {
@@ -144,8 +159,8 @@ fn main() -> amp::Result<()> {
             allocations.2 = ALLOCATIONS.load(Ordering::SeqCst);
         }
     }
-    let [stream, fused_ms, mixed_ms, bf16_ms, candle_ms] =
-        [0, 1, 2, 3, 4].map(|case| harness.median_s(case) * 1e3);
+    let [stream, fused_ms, mixed_ms, bf16_ms, sgd32_ms, sgd16_ms, candle_ms] =
+        [0, 1, 2, 3, 4, 5, 6].map(|case| harness.median_s(case) * 1e3);
     let gbs = |bytes_per: f64, ms: f64| bytes_per * n as f64 / ms / 1e6;
     let bandwidth = gbs(12.0, stream);
     println!();
@@ -177,6 +192,15 @@ fn main() -> amp::Result<()> {
         bf16.state_bytes() as f64 / 1e6,
         mixed.state_bytes() as f64 / 1e6,
         bf16_ms / mixed_ms
+    );
+    println!(
+        "SGD momentum 0.9, mixed f16: f32 buffer {sgd32_ms:.2} ms (20 B/param, {:.1} GB/s), bf16 buffer \
+         {sgd16_ms:.2} ms (16 B/param, {:.1} GB/s): {:.2}x the time, state {:.0} MB against {:.0} MB",
+        gbs(20.0, sgd32_ms),
+        gbs(16.0, sgd16_ms),
+        sgd16_ms / sgd32_ms,
+        sgd16.state_bytes() as f64 / 1e6,
+        sgd32.state_bytes() as f64 / 1e6
     );
     Ok(())
 }
