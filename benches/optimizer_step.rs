@@ -1,7 +1,7 @@
 //! Optimizer-step benchmark on the 25.2M-parameter / 98-tensor set of the performance baselines
 //! (8 transformer layers, d = 512, ffn = 2048, plus a final norm), measured side by side in one run:
 //! fused AdamW (fp32; mixed: f16 gradients, fp32 master and state, f16 working copy; mixed with bf16
-//! moments) against `candle_nn::AdamW` and against the machine's streaming bandwidth measured by the
+//! moments), SGD with momentum and LAMB (mixed, f32 and bf16 state) against `candle_nn::AdamW` and against the machine's streaming bandwidth measured by the
 //! same binary.
 //!
 //! Run: `cargo bench --bench optimizer_step`
@@ -9,7 +9,9 @@
 //! Bytes counted: fp32 AdamW reads p, g, m, v and writes p, m, v: 28 B/param. Mixed reads an f16 g,
 //! p, m, v and writes p, m, v and the f16 working copy: 2 + 12 + 12 + 2 = 28 B/param; with bf16 moments
 //! 2 + 8 + 8 + 2 = 20 B/param. SGD with momentum (mixed f16) reads g, p, buf and writes p, buf and the
-//! copy: 2 + 8 + 8 + 2 = 20 B/param with an f32 buffer, 16 with a bf16 one. The bandwidth
+//! copy: 2 + 8 + 8 + 2 = 20 B/param with an f32 buffer, 16 with a bf16 one. LAMB (mixed f16) makes
+//! two passes: g, p, m, v read and m, v written, then p, m, v read and p and the copy written: 40
+//! B/param with f32 moments, 28 with bf16 ones. The bandwidth
 //! reference is an in-place stream update `a = a + s * b` (two reads, one write back to a line just
 //! read: 12 B/element, all of it real traffic, as in the optimizer; a triad into a third array would pay
 //! an uncounted write-allocate).
@@ -19,7 +21,10 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use amp::nn::Linear;
-use amp::optim::{AdamConfig, FusedAdam, FusedOptimizer, FusedSgd, ParamGroups, SgdConfig, StateDtype};
+use amp::optim::{
+    AdamConfig, FusedAdam, FusedLamb, FusedOptimizer, FusedSgd, LambConfig, ParamGroups, SgdConfig,
+    StateDtype,
+};
 use amp::{AmpConfig, AmpModuleExt, OptLevel, Param, Precision};
 use amp_kernels::timing::Interleaved;
 use candle_core::backprop::GradStore;
@@ -116,6 +121,12 @@ fn main() -> amp::Result<()> {
     let (sgd16_model, sgd16_grads) = mixed_model()?;
     let sgd16_config = SgdConfig { state_dtype: StateDtype::Bf16, ..sgd };
     let mut sgd16 = FusedSgd::new(ParamGroups::from_model(&sgd16_model)?, sgd16_config)?;
+    // LAMB, the moments in f32 and in bf16.
+    let (lamb_model, lamb_grads) = mixed_model()?;
+    let mut lamb32 = FusedLamb::new(ParamGroups::from_model(&lamb_model)?, LambConfig::default())?;
+    let (lamb16_model, lamb16_grads) = mixed_model()?;
+    let lamb16_config = LambConfig { state_dtype: StateDtype::Bf16, ..LambConfig::default() };
+    let mut lamb16 = FusedLamb::new(ParamGroups::from_model(&lamb16_model)?, lamb16_config)?;
     // Stream update over as many elements as the parameters.
     let (mut a, b) = (vec![1f32; n], vec![2f32; n]);
     let triad = |a: &mut [f32]| {
@@ -127,8 +138,9 @@ fn main() -> amp::Result<()> {
     };
 
     // Interleaved rounds (amp_kernels::timing, the harness of the kernels' bench too): stream, fused,
-    // mixed, mixed with bf16 moments, and candle-nn's AdamW every third round (it is 50x slower).
-    let mut harness = Interleaved::new(7, 0);
+    // mixed, mixed with bf16 moments, SGD and LAMB with f32 and bf16 state, and candle-nn's AdamW every
+    // third round (it is 50x slower).
+    let mut harness = Interleaved::new(9, 0);
     let mut allocations = (0, 0, 0);
     for round in 0..9 {
         let mut r = harness.round();
@@ -138,6 +150,8 @@ fn main() -> amp::Result<()> {
         r.time(|| bf16.step_scaled(&bf16_grads, 1.0))?;
         r.time(|| sgd32.step_scaled(&sgd_grads, 1.0))?;
         r.time(|| sgd16.step_scaled(&sgd16_grads, 1.0))?;
+        r.time(|| lamb32.step_scaled(&lamb_grads, 1.0))?;
+        r.time(|| lamb16.step_scaled(&lamb16_grads, 1.0))?;
         if round % 3 == 0 {
             r.time(|| candle.step(&candle_grads))?;
         } else {
@@ -159,8 +173,8 @@ fn main() -> amp::Result<()> {
             allocations.2 = ALLOCATIONS.load(Ordering::SeqCst);
         }
     }
-    let [stream, fused_ms, mixed_ms, bf16_ms, sgd32_ms, sgd16_ms, candle_ms] =
-        [0, 1, 2, 3, 4, 5, 6].map(|case| harness.median_s(case) * 1e3);
+    let [stream, fused_ms, mixed_ms, bf16_ms, sgd32_ms, sgd16_ms, lamb32_ms, lamb16_ms, candle_ms] =
+        [0, 1, 2, 3, 4, 5, 6, 7, 8].map(|case| harness.median_s(case) * 1e3);
     let gbs = |bytes_per: f64, ms: f64| bytes_per * n as f64 / ms / 1e6;
     let bandwidth = gbs(12.0, stream);
     println!();
@@ -201,6 +215,15 @@ fn main() -> amp::Result<()> {
         sgd16_ms / sgd32_ms,
         sgd16.state_bytes() as f64 / 1e6,
         sgd32.state_bytes() as f64 / 1e6
+    );
+    println!(
+        "LAMB, mixed f16: f32 moments {lamb32_ms:.2} ms (40 B/param, {:.1} GB/s), bf16 moments \
+         {lamb16_ms:.2} ms (28 B/param, {:.1} GB/s): {:.2}x the time, state {:.0} MB against {:.0} MB",
+        gbs(40.0, lamb32_ms),
+        gbs(28.0, lamb16_ms),
+        lamb16_ms / lamb32_ms,
+        lamb16.state_bytes() as f64 / 1e6,
+        lamb32.state_bytes() as f64 / 1e6
     );
     Ok(())
 }

@@ -65,10 +65,11 @@ fn state_bits(state: amp::checkpoint::SavedState) -> StateBits {
 /// draws its random bits by parameter path, so the owner of a tensor draws what the unsharded
 /// optimizer draws).
 type MakeOptimizer = fn(ParamGroups) -> amp::Result<Optimizer>;
-const OPTIMIZERS: [(&str, MakeOptimizer); 3] = [
+const OPTIMIZERS: [(&str, MakeOptimizer); 4] = [
     ("AdamW", |g| Optimizer::new(Kind::AdamW, g)),
     ("LAMB", |g| Optimizer::new(Kind::Lamb, g)),
     ("AdamW with bf16 moments", Optimizer::adamw_bf16_moments),
+    ("LAMB with bf16 moments", Optimizer::lamb_bf16_moments),
 ];
 
 /// ZeRO-1 and plain data parallelism compute the same averaged gradient (two ranks: one addition of the

@@ -36,6 +36,17 @@ impl Element for f32 {}
 impl Element for f16 {}
 impl Element for bf16 {}
 
+/// A type LAMB keeps its moments in (f32, or bf16 rounded stochastically), both backends.
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait Moment: Element + crate::portable::lamb::Moment + crate::simd::lamb::Moment {}
+
+/// A type LAMB keeps its moments in (f32, or bf16 rounded stochastically), both backends.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) trait Moment: Element + crate::portable::lamb::Moment {}
+
+impl Moment for f32 {}
+impl Moment for bf16 {}
+
 /// `dispatch!(backend, module::function::<T>(args))` calls `crate::simd::module::function` when `backend`
 /// is AVX2 and `crate::portable::module::function` otherwise (always, off x86-64).
 macro_rules! dispatch {

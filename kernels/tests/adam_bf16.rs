@@ -6,24 +6,9 @@ mod common;
 
 use amp_kernels::optim::{adam_step_bf16_state_with, AdamBf16Tensor, AdamParams};
 use amp_kernels::{reference, Dtype, GradSlice, Isa};
-use common::{assert_same, assert_same_owned, state_set, Owned, Rng, State, DTYPES, WORKING};
+use common::bf16_state::{assert_same_bf16_states, bf16_states, Bf16State};
+use common::{state_set, Owned, Rng, DTYPES, WORKING};
 use half::bf16;
-
-/// A [`State`] with its moments rounded to bf16 (nearest), as an optimizer that has run a while holds.
-#[derive(Clone)]
-struct Bf16State {
-    state: State,
-    m: Vec<bf16>,
-    v: Vec<bf16>,
-}
-
-fn bf16s(x: &[f32]) -> Vec<bf16> {
-    x.iter().map(|&x| bf16::from_f32(x)).collect()
-}
-
-fn from(states: Vec<State>) -> Vec<Bf16State> {
-    states.into_iter().map(|s| Bf16State { m: bf16s(&s.a), v: bf16s(&s.b), state: s }).collect()
-}
 
 fn tensors(states: &mut [Bf16State]) -> Vec<AdamBf16Tensor<'_>> {
     states
@@ -32,26 +17,16 @@ fn tensors(states: &mut [Bf16State]) -> Vec<AdamBf16Tensor<'_>> {
         .map(|(i, s)| AdamBf16Tensor {
             master: &mut s.state.master,
             grad: s.state.grad.view(),
-            exp_avg: &mut s.m,
-            exp_avg_sq: &mut s.v,
+            exp_avg: &mut s.a,
+            exp_avg_sq: &mut s.b,
             working: s.state.working.as_mut().map(Owned::half_mut),
             stream: 1000 + i as u64,
         })
         .collect()
 }
 
-#[track_caller]
-fn assert_same_states(what: &str, x: &[Bf16State], y: &[Bf16State]) {
-    for (i, (s, t)) in x.iter().zip(y).enumerate() {
-        assert_same(&format!("{what} t{i} master"), &s.state.master, &t.state.master);
-        let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
-        assert_eq!(bits(&s.m), bits(&t.m), "{what} t{i} exp_avg");
-        assert_eq!(bits(&s.v), bits(&t.v), "{what} t{i} exp_avg_sq");
-        if let (Some(w), Some(v)) = (&s.state.working, &t.state.working) {
-            assert_same_owned(&format!("{what} t{i} working"), w, v);
-        }
-    }
-}
+/// The bf16 buffers' names in messages.
+const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
 #[test]
 fn every_path_matches_the_reference_bit_for_bit_over_three_steps() {
@@ -65,7 +40,7 @@ fn every_path_matches_the_reference_bit_for_bit_over_three_steps() {
     for hp in variants {
         for grad in DTYPES {
             for working in WORKING {
-                let start = from(state_set(&mut rng, grad, working, false, 1024.0));
+                let start = bf16_states(state_set(&mut rng, grad, working, false, 1024.0));
                 let mut expect = start.clone();
                 let mut got: Vec<Vec<Bf16State>> = Isa::supported().map(|_| start.clone()).collect();
                 for step in 1..=3 {
@@ -73,7 +48,12 @@ fn every_path_matches_the_reference_bit_for_bit_over_three_steps() {
                     reference::adam_step_bf16_state(&mut tensors(&mut expect), &hp, 1.0 / 1024.0);
                     for (isa, g) in Isa::supported().zip(&mut got) {
                         adam_step_bf16_state_with(isa, &mut tensors(g), &hp, 1.0 / 1024.0);
-                        assert_same_states(&format!("{isa:?} {hp:?} {grad:?} {working:?}"), g, &expect);
+                        assert_same_bf16_states(
+                            &format!("{isa:?} {hp:?} {grad:?} {working:?}"),
+                            MOMENTS,
+                            g,
+                            &expect,
+                        );
                     }
                 }
             }
@@ -84,7 +64,7 @@ fn every_path_matches_the_reference_bit_for_bit_over_three_steps() {
 #[test]
 fn the_result_does_not_depend_on_the_thread_count() {
     let mut rng = Rng(32);
-    let start = from(state_set(&mut rng, Dtype::F16, Some(Dtype::F16), false, 1.0));
+    let start = bf16_states(state_set(&mut rng, Dtype::F16, Some(Dtype::F16), false, 1.0));
     let run = |threads: usize| {
         let mut s = start.clone();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -95,7 +75,7 @@ fn the_result_does_not_depend_on_the_thread_count() {
     };
     let one = run(1);
     for threads in [2, 3, 8] {
-        assert_same_states(&format!("{threads} threads"), &run(threads), &one);
+        assert_same_bf16_states(&format!("{threads} threads"), MOMENTS, &run(threads), &one);
     }
 }
 

@@ -1,6 +1,7 @@
 //! Multi-tensor calls make no heap allocation: a counting global allocator watches a multi-tensor
-//! unscale, norm and fused AdamW step (f32 and bf16 moments) over 98 tensors (the shapes of a small transformer), and GEMMs
-//! after their first call (packing buffers and scratch are kept per thread and reused).
+//! unscale, norm, fused AdamW step (f32 and bf16 moments) and LAMB step (bf16 moments) over 98 tensors
+//! (the shapes of a small transformer), and GEMMs after their first call (packing buffers and scratch
+//! are kept per thread and reused).
 //!
 //! One test only in this binary: the allocator counts every thread, so nothing else may run meanwhile.
 
@@ -8,7 +9,10 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
 use amp_kernels::gemm::{gemm_with, Compute, Dims, GemmPath, MatMut, MatRef, Start};
-use amp_kernels::optim::{adam_step, adam_step_bf16_state, AdamBf16Tensor, AdamParams, AdamTensor};
+use amp_kernels::optim::{
+    adam_step, adam_step_bf16_state, lamb_step_bf16_state, AdamBf16Tensor, AdamParams, AdamTensor,
+    LambBf16Tensor, LambParams, TensorNorms,
+};
 use amp_kernels::unscale::unscale_and_check;
 use amp_kernels::{norm, GradSlice, GradSliceMut, HalfSliceMut};
 use half::{bf16, f16};
@@ -162,6 +166,32 @@ fn unscale_norm_and_adam_over_98_tensors_do_not_allocate() {
         let (count, largest) = measure(REPS, || adam_step_bf16_state(&mut ts, &params, 1.0));
         eprintln!("adam, bf16 moments x{REPS}: {count} allocations, largest {largest} B");
         assert!(count <= 2 && largest <= 4096, "adam with bf16 moments: {count} allocs, {largest} B");
+    });
+    drop(ts);
+
+    // LAMB with bf16 moments: two passes, the norms in the caller's buffer.
+    let mut norms = vec![TensorNorms::default(); lens.len()];
+    let mut ts: Vec<LambBf16Tensor<'_>> = masters
+        .iter_mut()
+        .zip(&grads)
+        .zip(m16.iter_mut().zip(v16.iter_mut()))
+        .zip(working.iter_mut())
+        .enumerate()
+        .map(|(i, (((p, g), (m, v)), w))| LambBf16Tensor {
+            master: p,
+            grad: GradSlice::F16(g),
+            exp_avg: m,
+            exp_avg_sq: v,
+            working: Some(HalfSliceMut::F16(w)),
+            stream: i as u64,
+        })
+        .collect();
+    let lamb = LambParams::default();
+    pool.install(|| {
+        warm_up(|| lamb_step_bf16_state(&mut ts, &lamb, 1.0, &mut norms));
+        let (count, largest) = measure(REPS, || lamb_step_bf16_state(&mut ts, &lamb, 1.0, &mut norms));
+        eprintln!("lamb, bf16 moments x{REPS}: {count} allocations, largest {largest} B");
+        assert!(count <= 2 && largest <= 4096, "lamb with bf16 moments: {count} allocs, {largest} B");
     });
     drop(ts);
 

@@ -6,22 +6,9 @@ mod common;
 
 use amp_kernels::optim::{sgd_step, sgd_step_bf16_state_with, SgdBf16Tensor, SgdParams, SgdTensor};
 use amp_kernels::{reference, Dtype, GradSlice, Isa};
-use common::{assert_same, assert_same_owned, state_set, Owned, Rng, State, DTYPES, WORKING};
+use common::bf16_state::{assert_same_bf16_states, bf16_states, Bf16State};
+use common::{state_set, Owned, Rng, DTYPES, WORKING};
 use half::bf16;
-
-/// A [`State`] with its momentum buffer (`a`) rounded to bf16.
-#[derive(Clone)]
-struct Bf16State {
-    state: State,
-    buf: Vec<bf16>,
-}
-
-fn from(states: Vec<State>) -> Vec<Bf16State> {
-    states
-        .into_iter()
-        .map(|s| Bf16State { buf: s.a.iter().map(|&x| bf16::from_f32(x)).collect(), state: s })
-        .collect()
-}
 
 fn tensors(states: &mut [Bf16State]) -> Vec<SgdBf16Tensor<'_>> {
     states
@@ -30,24 +17,15 @@ fn tensors(states: &mut [Bf16State]) -> Vec<SgdBf16Tensor<'_>> {
         .map(|(i, s)| SgdBf16Tensor {
             master: &mut s.state.master,
             grad: s.state.grad.view(),
-            momentum_buffer: &mut s.buf,
+            momentum_buffer: &mut s.a,
             working: s.state.working.as_mut().map(Owned::half_mut),
             stream: 77 + i as u64,
         })
         .collect()
 }
 
-#[track_caller]
-fn assert_same_states(what: &str, x: &[Bf16State], y: &[Bf16State]) {
-    for (i, (s, t)) in x.iter().zip(y).enumerate() {
-        assert_same(&format!("{what} t{i} master"), &s.state.master, &t.state.master);
-        let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
-        assert_eq!(bits(&s.buf), bits(&t.buf), "{what} t{i} momentum_buffer");
-        if let (Some(w), Some(v)) = (&s.state.working, &t.state.working) {
-            assert_same_owned(&format!("{what} t{i} working"), w, v);
-        }
-    }
-}
+/// The bf16 buffers' names in messages (`b` is not used by SGD).
+const BUFFER: [&str; 2] = ["momentum_buffer", "unused"];
 
 #[test]
 fn every_path_matches_the_reference_bit_for_bit_over_three_steps() {
@@ -61,7 +39,7 @@ fn every_path_matches_the_reference_bit_for_bit_over_three_steps() {
     for hp in variants {
         for grad in DTYPES {
             for working in WORKING {
-                let start = from(state_set(&mut rng, grad, working, false, 1024.0));
+                let start = bf16_states(state_set(&mut rng, grad, working, false, 1024.0));
                 let mut expect = start.clone();
                 let mut got: Vec<Vec<Bf16State>> = Isa::supported().map(|_| start.clone()).collect();
                 for step in 1..=3 {
@@ -69,7 +47,12 @@ fn every_path_matches_the_reference_bit_for_bit_over_three_steps() {
                     reference::sgd_step_bf16_state(&mut tensors(&mut expect), &hp, step, 1.0 / 1024.0);
                     for (isa, g) in Isa::supported().zip(&mut got) {
                         sgd_step_bf16_state_with(isa, &mut tensors(g), &hp, step, 1.0 / 1024.0);
-                        assert_same_states(&format!("{isa:?} {hp:?} {grad:?} {working:?}"), g, &expect);
+                        assert_same_bf16_states(
+                            &format!("{isa:?} {hp:?} {grad:?} {working:?}"),
+                            BUFFER,
+                            g,
+                            &expect,
+                        );
                     }
                 }
             }
@@ -80,7 +63,7 @@ fn every_path_matches_the_reference_bit_for_bit_over_three_steps() {
 #[test]
 fn the_result_does_not_depend_on_the_thread_count() {
     let mut rng = Rng(42);
-    let start = from(state_set(&mut rng, Dtype::Bf16, Some(Dtype::Bf16), false, 1.0));
+    let start = bf16_states(state_set(&mut rng, Dtype::Bf16, Some(Dtype::Bf16), false, 1.0));
     let hp = SgdParams { lr: 0.01, momentum: 0.9, first_step: false, ..SgdParams::default() };
     let run = |threads: usize| {
         let mut s = start.clone();
@@ -90,7 +73,7 @@ fn the_result_does_not_depend_on_the_thread_count() {
     };
     let one = run(1);
     for threads in [2, 3, 8] {
-        assert_same_states(&format!("{threads} threads"), &run(threads), &one);
+        assert_same_bf16_states(&format!("{threads} threads"), BUFFER, &run(threads), &one);
     }
 }
 

@@ -130,6 +130,12 @@ impl Optimizer {
         Ok(Optimizer::AdamW(FusedAdamW::new(groups, config)?))
     }
 
+    /// LAMB as [`Kind::Lamb`], its moments in bf16 (`StateDtype::Bf16`).
+    pub fn lamb_bf16_moments(groups: ParamGroups) -> amp::Result<Self> {
+        let config = LambConfig { lr: LR, state_dtype: StateDtype::Bf16, ..Default::default() };
+        Ok(Optimizer::Lamb(FusedLamb::new(groups, config)?))
+    }
+
     /// The optimizer to step.
     pub fn fused(&mut self) -> &mut dyn FusedOptimizer {
         match self {

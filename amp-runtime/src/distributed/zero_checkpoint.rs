@@ -216,7 +216,7 @@ fn encode(state: &SavedState) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// [`encode`]'s dtype tags: a state tensor travels in f32 (Adam's moments with `StateDtype::Bf16`: in
+/// [`encode`]'s dtype tags: a state tensor travels in f32 (state kept with `StateDtype::Bf16`: in
 /// bf16, so that the gathered state saves as the optimizer would save it).
 const F32_TAG: usize = 0;
 const BF16_TAG: usize = 1;

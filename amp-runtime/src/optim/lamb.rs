@@ -1,13 +1,16 @@
 //! Fused LAMB: Adam's moments with a per-tensor trust ratio `||w|| / ||update||` (Apex `FusedLAMB`).
 //! Two passes per parameter (the ratio needs the update's norm before the update is applied).
 
-use amp_kernels::optim::{lamb_step, LambParams, LambTensor, TensorNorms};
+use amp_kernels::optim::{
+    lamb_step, lamb_step_bf16_state, LambBf16Tensor, LambParams, LambTensor, TensorNorms,
+};
 use candle_core::backprop::GradStore;
 
 use super::core::Core;
 use super::driver::{self, select_mut};
 use super::params::{OptimParam, ParamGroups};
 use super::state::{Buffers, Checkpointed};
+use super::state_dtype::{self, StateDtype};
 use super::validate;
 use super::FusedOptimizer;
 use crate::error::Result;
@@ -33,6 +36,11 @@ pub struct LambConfig {
     pub grad_averaging: bool,
     /// Apply the trust ratio even to tensors without weight decay (false; Apex's `use_nvlamb`).
     pub always_adapt: bool,
+    /// The dtype the moments are kept in ([`StateDtype::F32`]). [`StateDtype::Bf16`] halves the
+    /// optimizer's memory, rounding the moments stochastically (CPU only); the trust ratio is measured
+    /// on the update computed from the rounded moments, the one applied.
+    #[serde(default)]
+    pub state_dtype: StateDtype,
 }
 
 impl Default for LambConfig {
@@ -47,6 +55,7 @@ impl Default for LambConfig {
             bias_correction: true,
             grad_averaging: true,
             always_adapt: false,
+            state_dtype: StateDtype::F32,
         }
     }
 }
@@ -62,15 +71,17 @@ impl LambConfig {
     }
 }
 
-/// Fused multi-tensor LAMB over fp32 masters with fp32 state.
+/// Fused multi-tensor LAMB over fp32 masters with fp32 state (or bf16: [`StateDtype`]).
 ///
 /// Its bias correction counts the optimizer's applied steps, as Apex's `FusedLAMB` counts per group:
 /// see [`FusedAdam`](super::FusedAdam) for what that means for parameters unfrozen part-way.
 #[derive(Debug)]
 pub struct FusedLamb {
-    /// State: `exp_avg`, `exp_avg_sq`.
+    /// State: `exp_avg`, `exp_avg_sq`, in f32 or bf16 ([`StateDtype::Bf16`]).
     core: Core<LambConfig, [Buffers; 2]>,
     norms: Vec<TensorNorms>,
+    /// Each parameter's random stream for bf16 moments' rounding.
+    streams: Vec<u64>,
     /// Per group, the device scratch space of the last step (per-block partial norms, trust ratios),
     /// kept while it is large enough.
     #[cfg(feature = "cuda")]
@@ -86,9 +97,15 @@ impl FusedLamb {
         Ok(FusedLamb {
             #[cfg(feature = "cuda")]
             scratch: (0..groups.groups.len()).map(|_| None).collect(),
+            streams: state_dtype::streams(&groups.params),
             core: Core::new(groups, config, state),
             norms: Vec::new(),
         })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &LambConfig {
+        &self.core.config
     }
 
     /// The trust-ratio norms of the last step's last batch (`||w||`, `||update||` per tensor), for steps
@@ -108,6 +125,7 @@ impl FusedLamb {
     #[cfg(feature = "cuda")]
     fn device_step(&mut self, grads: &GradStore, gate: crate::cuda::Gate<'_>) -> Result<()> {
         use amp_kernels::cuda::LambBuffers;
+        self.core.config.state_dtype.refuse_on_cuda()?;
         let params: Vec<LambParams> =
             (0..self.core.groups.groups.len()).map(|g| self.kernel_params(g)).collect();
         let scratch = &mut self.scratch;
@@ -139,6 +157,68 @@ impl FusedLamb {
             step: self.core.step,
         }
     }
+
+    /// One group's step on the CPU with f32 moments.
+    fn cpu_group_f32(
+        &mut self,
+        group: usize,
+        params: &LambParams,
+        grads: &GradStore,
+        inv_scale: f32,
+    ) -> Result<()> {
+        let core = &mut self.core;
+        let present = driver::with_grads(&core.groups.params, Some(group), grads)?;
+        let [m, v] = &mut core.state;
+        let (m, v, norms) = (m.f32_mut()?, v.f32_mut()?, &mut self.norms);
+        driver::for_each_batch(&core.groups.params, &present, |indices, views| {
+            let mut tensors: Vec<LambTensor<'_>> = views
+                .iter_mut()
+                .zip(select_mut(m, indices).into_iter().zip(select_mut(v, indices)))
+                .map(|(view, (m, v))| LambTensor {
+                    master: &mut *view.master,
+                    grad: view.grad,
+                    exp_avg: m,
+                    exp_avg_sq: v,
+                    working: view.working.as_mut().map(|w| w.reborrow()),
+                })
+                .collect();
+            norms.resize(tensors.len(), TensorNorms::default());
+            lamb_step(&mut tensors, params, inv_scale, norms);
+        })
+    }
+
+    /// One group's step on the CPU with bf16 moments, each parameter's rounding drawn from a stream
+    /// named by its path.
+    fn cpu_group_bf16(
+        &mut self,
+        group: usize,
+        params: &LambParams,
+        grads: &GradStore,
+        inv_scale: f32,
+    ) -> Result<()> {
+        let core = &mut self.core;
+        let present = driver::with_grads(&core.groups.params, Some(group), grads)?;
+        let streams = &self.streams;
+        let [m, v] = &mut core.state;
+        let (m, v, norms) = (m.bf16_mut()?, v.bf16_mut()?, &mut self.norms);
+        driver::for_each_batch(&core.groups.params, &present, |indices, views| {
+            let mut tensors: Vec<LambBf16Tensor<'_>> = views
+                .iter_mut()
+                .zip(select_mut(m, indices).into_iter().zip(select_mut(v, indices)))
+                .zip(indices)
+                .map(|((view, (m, v)), &i)| LambBf16Tensor {
+                    master: &mut *view.master,
+                    grad: view.grad,
+                    exp_avg: m,
+                    exp_avg_sq: v,
+                    working: view.working.as_mut().map(|w| w.reborrow()),
+                    stream: streams[i],
+                })
+                .collect();
+            norms.resize(tensors.len(), TensorNorms::default());
+            lamb_step_bf16_state(&mut tensors, params, inv_scale, norms);
+        })
+    }
 }
 
 impl FusedOptimizer for FusedLamb {
@@ -152,25 +232,10 @@ impl FusedOptimizer for FusedLamb {
         self.core.begin_cpu_step(grads)?;
         for group in 0..self.core.groups.groups.len() {
             let params = self.kernel_params(group);
-            let core = &mut self.core;
-            let present = driver::with_grads(&core.groups.params, Some(group), grads)?;
-            let [m, v] = &mut core.state;
-            let (m, v, norms) = (m.f32_mut()?, v.f32_mut()?, &mut self.norms);
-            driver::for_each_batch(&core.groups.params, &present, |indices, views| {
-                let mut tensors: Vec<LambTensor<'_>> = views
-                    .iter_mut()
-                    .zip(select_mut(m, indices).into_iter().zip(select_mut(v, indices)))
-                    .map(|(view, (m, v))| LambTensor {
-                        master: &mut *view.master,
-                        grad: view.grad,
-                        exp_avg: m,
-                        exp_avg_sq: v,
-                        working: view.working.as_mut().map(|w| w.reborrow()),
-                    })
-                    .collect();
-                norms.resize(tensors.len(), TensorNorms::default());
-                lamb_step(&mut tensors, &params, inv_grad_scale, norms);
-            })?;
+            match self.core.config.state_dtype {
+                StateDtype::F32 => self.cpu_group_f32(group, &params, grads, inv_grad_scale)?,
+                StateDtype::Bf16 => self.cpu_group_bf16(group, &params, grads, inv_grad_scale)?,
+            }
         }
         crate::CastCache::clear();
         Ok(())
@@ -215,7 +280,11 @@ impl Checkpointed for FusedLamb {
         config.validate()
     }
 
-    fn fresh_state(_: &LambConfig, params: &[OptimParam]) -> [Buffers; 2] {
-        [Buffers::zeros("exp_avg", params, true), Buffers::zeros("exp_avg_sq", params, true)]
+    fn fresh_state(config: &LambConfig, params: &[OptimParam]) -> [Buffers; 2] {
+        let moments = match config.state_dtype {
+            StateDtype::F32 => Buffers::zeros,
+            StateDtype::Bf16 => Buffers::zeros_bf16,
+        };
+        [moments("exp_avg", params, true), moments("exp_avg_sq", params, true)]
     }
 }

@@ -4,7 +4,7 @@
 //! memory bus. The fused step reads the gradient in its own dtype (f32, f16 or bf16) and still scaled by
 //! the loss scale, unscales it inline, updates the fp32 master and the fp32 state, and writes the half
 //! working copy, all in one pass, with no temporary tensor. State is fp32 whatever the parameters are,
-//! except Adam's moments and SGD's momentum buffer where asked for in bf16 ([`StateDtype::Bf16`]: half
+//! except Adam's and LAMB's moments and SGD's momentum buffer where asked for in bf16 ([`StateDtype::Bf16`]: half
 //! the bytes, rounded stochastically).
 //!
 //! ```

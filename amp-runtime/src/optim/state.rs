@@ -53,7 +53,7 @@ impl Buffers {
         }
     }
 
-    /// The f32 vectors: every optimizer's state but Adam's with bf16 moments.
+    /// The f32 vectors: every optimizer's state but bf16 state (`StateDtype::Bf16`).
     pub(crate) fn f32_mut(&mut self) -> Result<&mut Vec<Vec<f32>>> {
         let name = self.name;
         match &mut self.values {
@@ -71,7 +71,7 @@ impl Buffers {
         }
     }
 
-    /// The bf16 vectors (Adam's moments with `StateDtype::Bf16`).
+    /// The bf16 vectors (`StateDtype::Bf16`: Adam's and LAMB's moments, SGD's momentum).
     pub(crate) fn bf16_mut(&mut self) -> Result<&mut Vec<Vec<bf16>>> {
         match &mut self.values {
             Values::Bf16(v) => Ok(v),

@@ -4,11 +4,11 @@
 use super::params::OptimParam;
 use crate::error::{Error, Result};
 
-/// The dtype of a fused optimizer's state: Adam's moments ([`AdamConfig`](super::AdamConfig)), SGD's
-/// momentum buffer ([`SgdConfig`](super::SgdConfig)).
+/// The dtype of a fused optimizer's state: Adam's moments ([`AdamConfig`](super::AdamConfig)), LAMB's
+/// ([`LambConfig`](super::LambConfig)), SGD's momentum buffer ([`SgdConfig`](super::SgdConfig)).
 ///
-/// `Bf16` keeps that state in bf16: half its bytes (Adam: 4 a parameter instead of 8; SGD: 2 instead
-/// of 4) and a step that moves fewer. The step computes in f32 as with f32 state, on the state widened
+/// `Bf16` keeps that state in bf16: half its bytes (Adam, LAMB: 4 a parameter instead of 8; SGD: 2
+/// instead of 4) and a step that moves fewer. The step computes in f32 as with f32 state, on the state widened
 /// exactly, and rounds it back **stochastically** (`amp_kernels::stochastic`): the small change a step
 /// makes to a running average (0.1% of Adam's `v` with the default `beta2`) is below half a bf16 step,
 /// so rounding to nearest would drop it and the average would stop following the gradients.

@@ -45,7 +45,7 @@ pub struct AdamBf16Tensor<'a> {
     pub stream: u64,
 }
 
-/// The stream key of one tensor's step: element `i`'s random bits are
+/// The stream key of one tensor's Adam or LAMB step: element `i`'s random bits are
 /// [`random_bits(key, i)`](crate::stochastic::random_bits), the low 16 rounding `m`, the high 16 `v`.
 pub fn step_key(stream: u64, step: u64) -> u32 {
     stream_key(&[stream, step])

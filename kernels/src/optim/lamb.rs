@@ -19,12 +19,19 @@
 //! Traffic per element (f32 gradient): pass 1 reads g, p, m, v and writes m, v (24 B); pass 2 reads p, m,
 //! v and writes p (16 B): 40 B against Adam's 28. Norms are f64 sums as in [`crate::norm`], rounded to
 //! f32; the ratio is computed in f32, as Apex. No allocation: the caller passes the per-tensor norms.
+//!
+//! With the moments in bf16 ([`lamb_step_bf16_state`](super::lamb_step_bf16_state)) pass 1 rounds them stochastically when it
+//! stores them and computes `u` from the values stored, so pass 2's `u` is the one measured: 16 B and
+//! 12 B, 28 B per element in all.
 
 use half::{bf16, f16};
 
+use super::adam_bf16::step_key;
 use super::check_len;
-use crate::backend::{Backend, Element};
+use super::offset::Offset;
+use crate::backend::{dispatch, Backend, Element, Moment};
 use crate::par::{self, Kernel, Piece, Tensors};
+use crate::stochastic::block_key;
 use crate::{GradSlice, HalfSliceMut, Isa};
 
 /// Hyper-parameters of one LAMB step (Apex `FusedLAMB` defaults).
@@ -118,22 +125,83 @@ pub fn lamb_step_with(
     inv_grad_scale: f32,
     norms: &mut [TensorNorms],
 ) {
+    run(isa, tensors, params, inv_grad_scale, norms);
+}
+
+/// Both passes over `tensors`, whatever their moments' dtype.
+pub(super) fn run<T: StepTensor>(
+    isa: Isa,
+    tensors: &mut [T],
+    params: &LambParams,
+    inv_grad_scale: f32,
+    norms: &mut [TensorNorms],
+) {
     assert!(params.step >= 1, "lamb_step: step numbers start at 1");
     assert_eq!(norms.len(), tensors.len(), "lamb_step: one TensorNorms per tensor");
     for (i, t) in tensors.iter().enumerate() {
-        let n = t.master.len();
-        check_len("grad", i, t.grad.len(), n);
-        check_len("exp_avg", i, t.exp_avg.len(), n);
-        check_len("exp_avg_sq", i, t.exp_avg_sq.len(), n);
-        if let Some(w) = &t.working {
-            check_len("working", i, w.len(), n);
-        }
+        t.check_lengths(i);
     }
     let backend = Backend::new(isa);
     let consts = LambConsts::new(params, inv_grad_scale);
-    par::run(Pass1 { tensors: &mut *tensors, norms: &mut *norms }, &Moments { backend, consts });
+    let moments = Moments { backend, consts, step: params.step };
+    par::run(Pass1 { tensors: &mut *tensors, norms: &mut *norms }, &moments);
     let adapt = params.always_adapt || params.weight_decay != 0.0;
     par::run(Pass2 { tensors, norms, lr: params.lr as f32, adapt }, &Apply { backend, consts });
+}
+
+/// A tensor of a LAMB step, whatever its moments' dtype: the two passes' views of it.
+pub(super) trait StepTensor: Send {
+    /// The moments' element type.
+    type Moment: Moment;
+    /// Elements.
+    fn len(&self) -> usize;
+    /// Panics unless its slices have the master's length (`index`: its place in the call).
+    fn check_lengths(&self, index: usize);
+    /// Pass 1's view of the whole tensor.
+    fn moments(&mut self) -> MomentsPiece<'_, Self::Moment>;
+    /// Pass 2's view of the whole tensor, with its trust ratio.
+    fn apply(&mut self, ratio: f32) -> ApplyPiece<'_, Self::Moment>;
+}
+
+/// Panics unless the gradient, both moments and the working copy have the master's length `n`.
+pub(super) fn check_lengths(
+    index: usize,
+    n: usize,
+    grad: usize,
+    moments: [usize; 2],
+    working: Option<usize>,
+) {
+    check_len("grad", index, grad, n);
+    check_len("exp_avg", index, moments[0], n);
+    check_len("exp_avg_sq", index, moments[1], n);
+    if let Some(w) = working {
+        check_len("working", index, w, n);
+    }
+}
+
+impl StepTensor for LambTensor<'_> {
+    type Moment = f32;
+    fn len(&self) -> usize {
+        self.master.len()
+    }
+    fn check_lengths(&self, index: usize) {
+        let moments = [self.exp_avg.len(), self.exp_avg_sq.len()];
+        let working = self.working.as_ref().map(HalfSliceMut::len);
+        check_lengths(index, self.master.len(), self.grad.len(), moments, working);
+    }
+    fn moments(&mut self) -> MomentsPiece<'_, f32> {
+        MomentsPiece {
+            p: &*self.master,
+            g: self.grad,
+            m: &mut *self.exp_avg,
+            v: &mut *self.exp_avg_sq,
+            stream: 0,
+        }
+    }
+    fn apply(&mut self, ratio: f32) -> ApplyPiece<'_, f32> {
+        let w = self.working.as_mut().map(HalfSliceMut::reborrow);
+        ApplyPiece { p: &mut *self.master, m: &*self.exp_avg, v: &*self.exp_avg_sq, w, ratio }
+    }
 }
 
 /// The trust ratio of one tensor (f32, as Apex).
@@ -185,23 +253,25 @@ impl LambConsts {
 }
 
 /// Pass 1 work on one piece of one tensor.
-struct MomentsPiece<'a> {
-    p: &'a [f32],
-    g: GradSlice<'a>,
-    m: &'a mut [f32],
-    v: &'a mut [f32],
+pub(super) struct MomentsPiece<'a, M> {
+    pub(super) p: &'a [f32],
+    pub(super) g: GradSlice<'a>,
+    pub(super) m: &'a mut [M],
+    pub(super) v: &'a mut [M],
+    /// The tensor's random stream (bf16 moments).
+    pub(super) stream: u64,
 }
 
 /// Pass 2 work on one piece of one tensor, with the tensor's trust ratio.
-struct ApplyPiece<'a> {
-    p: &'a mut [f32],
-    m: &'a [f32],
-    v: &'a [f32],
-    w: Option<HalfSliceMut<'a>>,
-    ratio: f32,
+pub(super) struct ApplyPiece<'a, M> {
+    pub(super) p: &'a mut [f32],
+    pub(super) m: &'a [M],
+    pub(super) v: &'a [M],
+    pub(super) w: Option<HalfSliceMut<'a>>,
+    pub(super) ratio: f32,
 }
 
-impl Piece for MomentsPiece<'_> {
+impl<M: Send> Piece for MomentsPiece<'_, M> {
     fn len(&self) -> usize {
         self.p.len()
     }
@@ -210,11 +280,15 @@ impl Piece for MomentsPiece<'_> {
         let (g0, g1) = self.g.split_at(mid);
         let (m0, m1) = self.m.split_at_mut(mid);
         let (v0, v1) = self.v.split_at_mut(mid);
-        (MomentsPiece { p: p0, g: g0, m: m0, v: v0 }, MomentsPiece { p: p1, g: g1, m: m1, v: v1 })
+        let stream = self.stream;
+        (
+            MomentsPiece { p: p0, g: g0, m: m0, v: v0, stream },
+            MomentsPiece { p: p1, g: g1, m: m1, v: v1, stream },
+        )
     }
 }
 
-impl Piece for ApplyPiece<'_> {
+impl<M: Sync> Piece for ApplyPiece<'_, M> {
     fn len(&self) -> usize {
         self.p.len()
     }
@@ -238,48 +312,46 @@ impl Piece for ApplyPiece<'_> {
 }
 
 /// The tensors with their norms (pass 1: written).
-struct Pass1<'a, 'b> {
-    tensors: &'a mut [LambTensor<'b>],
+struct Pass1<'a, T> {
+    tensors: &'a mut [T],
     norms: &'a mut [TensorNorms],
 }
 
 /// The tensors with their norms (pass 2: read, turned into trust ratios).
-struct Pass2<'a, 'b> {
-    tensors: &'a mut [LambTensor<'b>],
+struct Pass2<'a, T> {
+    tensors: &'a mut [T],
     norms: &'a [TensorNorms],
     lr: f32,
     adapt: bool,
 }
 
-impl<'a> Tensors for Pass1<'a, '_> {
-    type Piece = MomentsPiece<'a>;
+impl<'a, T: StepTensor> Tensors for Pass1<'a, T> {
+    type Piece = Offset<MomentsPiece<'a, T::Moment>>;
     type Slot = &'a mut TensorNorms;
     fn count(&self) -> usize {
         self.tensors.len()
     }
     fn len_of(&self, i: usize) -> usize {
-        self.tensors[i].master.len()
+        self.tensors[i].len()
     }
     fn split_at(self, i: usize) -> (Self, Self) {
         let (t0, t1) = self.tensors.split_at_mut(i);
         let (n0, n1) = self.norms.split_at_mut(i);
         (Pass1 { tensors: t0, norms: n0 }, Pass1 { tensors: t1, norms: n1 })
     }
-    fn into_single(self) -> (MomentsPiece<'a>, &'a mut TensorNorms) {
-        let t = &mut self.tensors[0];
-        let piece = MomentsPiece { p: &*t.master, g: t.grad, m: &mut *t.exp_avg, v: &mut *t.exp_avg_sq };
-        (piece, &mut self.norms[0])
+    fn into_single(self) -> (Self::Piece, &'a mut TensorNorms) {
+        (Offset { piece: self.tensors[0].moments(), offset: 0 }, &mut self.norms[0])
     }
 }
 
-impl<'a> Tensors for Pass2<'a, '_> {
-    type Piece = ApplyPiece<'a>;
+impl<'a, T: StepTensor> Tensors for Pass2<'a, T> {
+    type Piece = ApplyPiece<'a, T::Moment>;
     type Slot = ();
     fn count(&self) -> usize {
         self.tensors.len()
     }
     fn len_of(&self, i: usize) -> usize {
-        self.tensors[i].master.len()
+        self.tensors[i].len()
     }
     fn split_at(self, i: usize) -> (Self, Self) {
         let (t0, t1) = self.tensors.split_at_mut(i);
@@ -287,22 +359,17 @@ impl<'a> Tensors for Pass2<'a, '_> {
         let (lr, adapt) = (self.lr, self.adapt);
         (Pass2 { tensors: t0, norms: n0, lr, adapt }, Pass2 { tensors: t1, norms: n1, lr, adapt })
     }
-    fn into_single(self) -> (ApplyPiece<'a>, ()) {
-        let t = &mut self.tensors[0];
-        let piece = ApplyPiece {
-            p: &mut *t.master,
-            m: &*t.exp_avg,
-            v: &*t.exp_avg_sq,
-            w: t.working.as_mut().map(HalfSliceMut::reborrow),
-            ratio: trust_ratio(self.lr, self.adapt, self.norms[0]),
-        };
-        (piece, ())
+    fn into_single(self) -> (Self::Piece, ()) {
+        let ratio = trust_ratio(self.lr, self.adapt, self.norms[0]);
+        (self.tensors[0].apply(ratio), ())
     }
 }
 
 struct Moments {
     backend: Backend,
     consts: LambConsts,
+    /// The step's number, for bf16 moments' random bits.
+    step: u64,
 }
 
 struct Apply {
@@ -310,33 +377,37 @@ struct Apply {
     consts: LambConsts,
 }
 
-fn moments<G: Element>(
-    b: Backend,
-    p: &[f32],
-    g: &[G],
-    m: &mut [f32],
-    v: &mut [f32],
-    c: &LambConsts,
-) -> [f64; 2] {
-    crate::backend::dispatch!(b, lamb::lamb_moments::<G>(p, g, m, v, c))
+impl Moments {
+    /// Pass 1 on a piece whose indices share their high 32 bits (`offset`: its first element's index).
+    fn run<M: Moment>(&self, x: MomentsPiece<'_, M>, offset: u64) -> [f64; 2] {
+        let (b, c) = (self.backend, &self.consts);
+        // What bf16 moments round with (f32 ones ignore it).
+        let draw = (block_key(step_key(x.stream, self.step), (offset >> 32) as u32), offset as u32);
+        let MomentsPiece { p, g, m, v, .. } = x;
+        match g {
+            GradSlice::F32(g) => dispatch!(b, lamb::lamb_moments::<f32, M>(p, g, m, v, c, draw)),
+            GradSlice::F16(g) => dispatch!(b, lamb::lamb_moments::<f16, M>(p, g, m, v, c, draw)),
+            GradSlice::Bf16(g) => dispatch!(b, lamb::lamb_moments::<bf16, M>(p, g, m, v, c, draw)),
+        }
+    }
 }
 
-fn apply<W: Element>(b: Backend, x: ApplyPiece<'_>, w: Option<&mut [W]>, c: &LambConsts) {
-    crate::backend::dispatch!(b, lamb::lamb_apply::<W>(x.p, x.m, x.v, w, x.ratio, c));
+fn apply<W: Element, M: Moment>(b: Backend, x: ApplyPiece<'_, M>, w: Option<&mut [W]>, c: &LambConsts) {
+    dispatch!(b, lamb::lamb_apply::<W, M>(x.p, x.m, x.v, w, x.ratio, c));
 }
 
-impl<'a> Kernel<Pass1<'a, '_>> for Moments {
+impl<'a, T: StepTensor> Kernel<Pass1<'a, T>> for Moments {
     /// Sums of squares of `p` and of `u`.
     type Acc = [f64; 2];
     type Out = ();
 
-    fn leaf(&self, x: MomentsPiece<'a>) -> [f64; 2] {
-        let (b, c) = (self.backend, &self.consts);
-        match x.g {
-            GradSlice::F32(g) => moments::<f32>(b, x.p, g, x.m, x.v, c),
-            GradSlice::F16(g) => moments::<f16>(b, x.p, g, x.m, x.v, c),
-            GradSlice::Bf16(g) => moments::<bf16>(b, x.p, g, x.m, x.v, c),
-        }
+    fn leaf(&self, x: Offset<MomentsPiece<'a, T::Moment>>) -> [f64; 2] {
+        let mut sums = [0.0; 2];
+        x.for_each_key_run(|piece, offset| {
+            let [p, u] = self.run(piece, offset);
+            sums = [sums[0] + p, sums[1] + u];
+        });
+        sums
     }
     fn merge(&self, l: [f64; 2], r: [f64; 2]) -> [f64; 2] {
         [l[0] + r[0], l[1] + r[1]]
@@ -348,16 +419,16 @@ impl<'a> Kernel<Pass1<'a, '_>> for Moments {
     fn empty(&self) {}
 }
 
-impl<'a> Kernel<Pass2<'a, '_>> for Apply {
+impl<'a, T: StepTensor> Kernel<Pass2<'a, T>> for Apply {
     type Acc = ();
     type Out = ();
 
-    fn leaf(&self, mut x: ApplyPiece<'a>) {
+    fn leaf(&self, mut x: ApplyPiece<'a, T::Moment>) {
         let (b, c) = (self.backend, &self.consts);
         match x.w.take() {
-            None => apply::<f32>(b, x, None, c),
-            Some(HalfSliceMut::F16(w)) => apply::<f16>(b, x, Some(w), c),
-            Some(HalfSliceMut::Bf16(w)) => apply::<bf16>(b, x, Some(w), c),
+            None => apply::<f32, _>(b, x, None, c),
+            Some(HalfSliceMut::F16(w)) => apply::<f16, _>(b, x, Some(w), c),
+            Some(HalfSliceMut::Bf16(w)) => apply::<bf16, _>(b, x, Some(w), c),
         }
     }
     fn merge(&self, (): (), (): ()) {}

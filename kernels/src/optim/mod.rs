@@ -1,6 +1,6 @@
-//! Fused multi-tensor optimizer steps over fp32 master weights and fp32 state (Adam's moments and
-//! SGD's momentum buffer also in bf16, rounded stochastically: [`adam_step_bf16_state`],
-//! [`sgd_step_bf16_state`]).
+//! Fused multi-tensor optimizer steps over fp32 master weights and fp32 state (Adam's and LAMB's
+//! moments and SGD's momentum buffer also in bf16, rounded stochastically: [`adam_step_bf16_state`],
+//! [`lamb_step_bf16_state`], [`sgd_step_bf16_state`]).
 //!
 //! Each step reads a tensor's gradient (f32, f16 or bf16), multiplies it by `inv_grad_scale` inline (so
 //! no separate unscale pass is needed; fold a clip-by-norm factor from [`crate::clip::clip_coefficient`]
@@ -24,6 +24,7 @@
 mod adam;
 mod adam_bf16;
 mod lamb;
+mod lamb_bf16;
 mod offset;
 mod sgd;
 mod sgd_bf16;
@@ -31,6 +32,7 @@ mod sgd_bf16;
 pub use adam::{adam_step, adam_step_with, AdamParams, AdamTensor};
 pub use adam_bf16::{adam_step_bf16_state, adam_step_bf16_state_with, step_key, AdamBf16Tensor};
 pub use lamb::{lamb_step, lamb_step_with, LambParams, LambTensor, TensorNorms};
+pub use lamb_bf16::{lamb_step_bf16_state, lamb_step_bf16_state_with, LambBf16Tensor};
 pub use sgd::{sgd_step, sgd_step_with, SgdParams, SgdTensor};
 pub use sgd_bf16::{sgd_step_bf16_state, sgd_step_bf16_state_with, sgd_step_key, SgdBf16Tensor};
 

@@ -14,7 +14,10 @@ mod gemm;
 mod optim;
 
 pub use gemm::{gemm, GemmReference};
-pub use optim::{adam_step, adam_step_bf16_state, adam_step_f64, lamb_step, sgd_step, sgd_step_bf16_state};
+pub use optim::{
+    adam_step, adam_step_bf16_state, adam_step_f64, lamb_step, lamb_step_bf16_state, sgd_step,
+    sgd_step_bf16_state,
+};
 
 use half::{bf16, f16};
 

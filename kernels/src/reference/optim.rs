@@ -3,10 +3,11 @@
 
 use super::{get, set_half};
 use crate::optim::{
-    sgd_step_key, step_key, AdamBf16Tensor, AdamParams, AdamTensor, LambParams, LambTensor, SgdBf16Tensor,
-    SgdParams, SgdTensor, TensorNorms,
+    sgd_step_key, step_key, AdamBf16Tensor, AdamParams, AdamTensor, LambBf16Tensor, LambParams, LambTensor,
+    SgdBf16Tensor, SgdParams, SgdTensor, TensorNorms,
 };
 use crate::stochastic::{random_bits, round_bf16};
+use crate::{GradSlice, HalfSliceMut};
 
 /// `(1 - beta1^t, 1 - beta2^t)` in f64, or `(1, 1)` without bias correction.
 fn bias_corrections(beta1: f64, beta2: f64, step: u64, on: bool) -> (f64, f64) {
@@ -173,44 +174,135 @@ pub fn lamb_step(
     inv_grad_scale: f32,
     norms: &mut [TensorNorms],
 ) {
-    let (bc1, bc2) = bias_corrections(hp.beta1, hp.beta2, hp.step, hp.bias_correction);
-    let (bc1, bc2) = (bc1 as f32, bc2 as f32);
-    let (beta1, beta2, eps, wd) = (hp.beta1 as f32, hp.beta2 as f32, hp.eps as f32, hp.weight_decay as f32);
-    let beta3 = if hp.grad_averaging { (1.0 - hp.beta1) as f32 } else { 1.0 };
-    let one_minus_beta2 = (1.0 - hp.beta2) as f32;
-    let has_wd = hp.weight_decay != 0.0;
-    let update = |p: f32, m: f32, v: f32| {
-        let u = (m / bc1) / ((v / bc2).sqrt() + eps);
-        if hp.decoupled_weight_decay && has_wd {
-            u + wd * p
+    let lamb = Lamb::new(hp, inv_grad_scale);
+    for (t, norm) in tensors.iter_mut().zip(norms) {
+        let (m, v) = (&mut *t.exp_avg, &mut *t.exp_avg_sq);
+        let moments = |i: usize, advance: Advance<'_>| {
+            (m[i], v[i]) = advance((m[i], v[i]));
+            (m[i], v[i])
+        };
+        *norm = lamb.moments(t.master, t.grad, moments);
+        let moments = |i: usize| (t.exp_avg[i], t.exp_avg_sq[i]);
+        lamb.apply(*norm, t.master, t.working.as_mut(), moments);
+    }
+}
+
+/// Reference [`crate::optim::lamb_step_bf16_state`]: [`lamb_step`] with each updated moment rounded
+/// stochastically (element `i` with [`random_bits`] of its index in the tensor's stream,
+/// [`step_key`]: the low half for `m`, the high half for `v`) before `u` is computed from it.
+pub fn lamb_step_bf16_state(
+    tensors: &mut [LambBf16Tensor<'_>],
+    hp: &LambParams,
+    inv_grad_scale: f32,
+    norms: &mut [TensorNorms],
+) {
+    let lamb = Lamb::new(hp, inv_grad_scale);
+    for (t, norm) in tensors.iter_mut().zip(norms) {
+        let key = step_key(t.stream, hp.step);
+        let (m, v) = (&mut *t.exp_avg, &mut *t.exp_avg_sq);
+        let moments = |i: usize, advance: Advance<'_>| {
+            let (mi, vi) = advance((m[i].to_f32(), v[i].to_f32()));
+            let random = random_bits(key, i as u64);
+            (m[i], v[i]) = (round_bf16(mi, random), round_bf16(vi, random >> 16));
+            (m[i].to_f32(), v[i].to_f32())
+        };
+        *norm = lamb.moments(t.master, t.grad, moments);
+        let moments = |i: usize| (t.exp_avg[i].to_f32(), t.exp_avg_sq[i].to_f32());
+        lamb.apply(*norm, t.master, t.working.as_mut(), moments);
+    }
+}
+
+/// Element `(m, v)` to its new values, in f32. The moments' stores take one, apply it to element `i`,
+/// keep the result and return what they kept.
+type Advance<'a> = &'a dyn Fn((f32, f32)) -> (f32, f32);
+
+/// LAMB's constants in f32 and its two passes over one tensor.
+struct Lamb {
+    bc1: f32,
+    bc2: f32,
+    beta1: f32,
+    beta2: f32,
+    beta3: f32,
+    one_minus_beta2: f32,
+    eps: f32,
+    wd: f32,
+    /// Weight decay added to the gradient (L2 mode).
+    l2: bool,
+    /// Weight decay added to the update (decoupled mode).
+    decoupled: bool,
+    adapt: bool,
+    lr: f32,
+    inv_grad_scale: f32,
+}
+
+impl Lamb {
+    fn new(hp: &LambParams, inv_grad_scale: f32) -> Lamb {
+        let (bc1, bc2) = bias_corrections(hp.beta1, hp.beta2, hp.step, hp.bias_correction);
+        let has_wd = hp.weight_decay != 0.0;
+        Lamb {
+            bc1: bc1 as f32,
+            bc2: bc2 as f32,
+            beta1: hp.beta1 as f32,
+            beta2: hp.beta2 as f32,
+            beta3: if hp.grad_averaging { (1.0 - hp.beta1) as f32 } else { 1.0 },
+            one_minus_beta2: (1.0 - hp.beta2) as f32,
+            eps: hp.eps as f32,
+            wd: hp.weight_decay as f32,
+            l2: !hp.decoupled_weight_decay && has_wd,
+            decoupled: hp.decoupled_weight_decay && has_wd,
+            adapt: hp.always_adapt || has_wd,
+            lr: hp.lr as f32,
+            inv_grad_scale,
+        }
+    }
+
+    /// The update `u` of an element.
+    fn update(&self, p: f32, (m, v): (f32, f32)) -> f32 {
+        let u = (m / self.bc1) / ((v / self.bc2).sqrt() + self.eps);
+        if self.decoupled {
+            u + self.wd * p
         } else {
             u
         }
-    };
-    let lr = hp.lr as f32;
-    for (t, norm) in tensors.iter_mut().zip(norms) {
+    }
+
+    /// Pass 1: the new moments and the norms of `p` and of `u` (from the moments kept).
+    fn moments(
+        &self,
+        master: &[f32],
+        grad: GradSlice<'_>,
+        mut moments: impl FnMut(usize, Advance<'_>) -> (f32, f32),
+    ) -> TensorNorms {
         let (mut sum_p, mut sum_u) = (0f64, 0f64);
-        for i in 0..t.master.len() {
-            let p = t.master[i];
-            let mut g = get(t.grad, i) * inv_grad_scale;
-            if !hp.decoupled_weight_decay && has_wd {
-                g += wd * p;
+        for (i, &p) in master.iter().enumerate() {
+            let mut g = get(grad, i) * self.inv_grad_scale;
+            if self.l2 {
+                g += self.wd * p;
             }
-            let m = t.exp_avg[i] * beta1 + beta3 * g;
-            let v = t.exp_avg_sq[i] * beta2 + (one_minus_beta2 * g) * g;
-            t.exp_avg[i] = m;
-            t.exp_avg_sq[i] = v;
+            let advance = |(m, v): (f32, f32)| {
+                (m * self.beta1 + self.beta3 * g, v * self.beta2 + (self.one_minus_beta2 * g) * g)
+            };
+            let kept = moments(i, &advance);
             sum_p += f64::from(p) * f64::from(p);
-            sum_u += f64::from(update(p, m, v)).powi(2);
+            sum_u += f64::from(self.update(p, kept)).powi(2);
         }
-        *norm = TensorNorms { param: sum_p.sqrt() as f32, update: sum_u.sqrt() as f32 };
-        let adapt = (hp.always_adapt || has_wd) && norm.param != 0.0 && norm.update != 0.0;
-        let ratio = if adapt { lr * (norm.param / norm.update) } else { lr };
-        for i in 0..t.master.len() {
-            let p = t.master[i];
-            t.master[i] = p - ratio * update(p, t.exp_avg[i], t.exp_avg_sq[i]);
-            if let Some(w) = t.working.as_mut() {
-                set_half(w, i, t.master[i]);
+        TensorNorms { param: sum_p.sqrt() as f32, update: sum_u.sqrt() as f32 }
+    }
+
+    /// Pass 2: `p -= ratio * u`, the working copy from `p`.
+    fn apply(
+        &self,
+        norm: TensorNorms,
+        master: &mut [f32],
+        mut working: Option<&mut HalfSliceMut<'_>>,
+        moments: impl Fn(usize) -> (f32, f32),
+    ) {
+        let adapt = self.adapt && norm.param != 0.0 && norm.update != 0.0;
+        let ratio = if adapt { self.lr * (norm.param / norm.update) } else { self.lr };
+        for (i, p) in master.iter_mut().enumerate() {
+            *p -= ratio * self.update(*p, moments(i));
+            if let Some(w) = working.as_mut() {
+                set_half(w, i, *p);
             }
         }
     }

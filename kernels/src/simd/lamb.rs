@@ -1,17 +1,69 @@
 //! AVX2 LAMB kernels over one piece of one tensor (formulas in [`crate::optim`]'s LAMB module). Same
 //! f32 operations, in the same order, as `crate::portable::lamb`. Tails run the 8-lane code on
-//! zero-padded stack copies; padding lanes are masked out of the norms.
+//! zero-padded stack copies; padding lanes are masked out of the norms. The moments are f32 or bf16
+//! ([`Moment`]); bf16 ones are widened when loaded and rounded stochastically when stored, and the
+//! update is computed from the values stored, so that pass 2 recomputes the very `u` pass 1 measured.
 
 use std::arch::x86_64::{
-    __m256, __m256d, _mm256_add_ps, _mm256_and_ps, _mm256_castsi256_ps, _mm256_cmpgt_epi32, _mm256_div_ps,
-    _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_pd,
-    _mm256_sqrt_ps, _mm256_storeu_ps, _mm256_sub_ps,
+    __m256, __m256d, __m256i, _mm256_add_ps, _mm256_and_ps, _mm256_castsi256_ps, _mm256_cmpgt_epi32,
+    _mm256_div_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setr_epi32,
+    _mm256_setzero_pd, _mm256_setzero_si256, _mm256_sqrt_ps, _mm256_storeu_ps, _mm256_sub_ps,
 };
 use std::ptr::null_mut;
 
+use half::bf16;
+
 use super::kernels::lanes_sum;
-use super::{add_squares, offset, opt_ptr, pad, unpad, Elem, W};
+use super::{add_squares, offset, opt_ptr, pad, stochastic, unpad, Elem, W};
 use crate::optim::LambConsts;
+
+/// How pass 1 keeps a moment it computed: f32 as it is, bf16 rounded stochastically
+/// (`crate::stochastic`).
+pub(crate) trait Moment: Elem {
+    /// Whether [`Moment::keep8`] uses its random bits (the caller draws them only then).
+    const ROUNDS: bool;
+
+    /// Stores `x` at `dst` (with the low half of `random`'s lanes, or the high half when `high`, if it
+    /// rounds) and returns the values stored, as f32.
+    ///
+    /// # Safety
+    /// AVX2 available; `dst` valid for writing 8 elements.
+    unsafe fn keep8(dst: *mut Self, x: __m256, random: __m256i, high: bool) -> __m256;
+}
+
+impl Moment for f32 {
+    const ROUNDS: bool = false;
+
+    #[inline(always)]
+    unsafe fn keep8(dst: *mut f32, x: __m256, _: __m256i, _: bool) -> __m256 {
+        // SAFETY: caller guarantees AVX and 8 writable floats.
+        unsafe { _mm256_storeu_ps(dst, x) };
+        x
+    }
+}
+
+impl Moment for bf16 {
+    const ROUNDS: bool = true;
+
+    #[inline(always)]
+    unsafe fn keep8(dst: *mut bf16, x: __m256, random: __m256i, high: bool) -> __m256 {
+        // SAFETY: caller guarantees AVX2 and 8 writable elements.
+        unsafe { stochastic::store8(dst, x, random, high) }
+    }
+}
+
+/// The random bits of indices `first + 0..8` of stream `key`, when `M` rounds.
+#[inline(always)]
+unsafe fn random8<M: Moment>(key: u32, first: u32) -> __m256i {
+    // SAFETY: caller guarantees AVX2.
+    unsafe {
+        if M::ROUNDS {
+            stochastic::random8(_mm256_set1_epi32(key as i32), first)
+        } else {
+            _mm256_setzero_si256()
+        }
+    }
+}
 
 struct LambV {
     inv_scale: __m256,
@@ -64,12 +116,13 @@ impl LambV {
     }
 }
 
-/// Pass 1 on 8 elements; `valid` masks the lanes whose `u²` counts.
+/// Pass 1 on 8 elements; `valid` masks the lanes whose `u²` counts; `random` rounds bf16 moments (`m`
+/// with its low half, `v` with its high half).
 #[inline(always)]
-unsafe fn moments8<G: Elem>(
+unsafe fn moments8<G: Elem, M: Moment>(
     k: &LambV,
-    (p, g, m, v): (*const f32, *const G, *mut f32, *mut f32),
-    valid: __m256,
+    (p, g, m, v): (*const f32, *const G, *mut M, *mut M),
+    (valid, random): (__m256, __m256i),
     acc: (&mut [__m256d; 2], &mut [__m256d; 2]),
 ) {
     // SAFETY: caller guarantees AVX2/FMA/F16C and 8 valid elements behind every pointer.
@@ -79,27 +132,29 @@ unsafe fn moments8<G: Elem>(
         if k.l2 {
             gv = _mm256_add_ps(gv, _mm256_mul_ps(k.weight_decay, pv));
         }
-        let mv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(m), k.beta1), _mm256_mul_ps(k.beta3, gv));
-        let vv = _mm256_mul_ps(_mm256_loadu_ps(v), k.beta2);
+        let mv = _mm256_add_ps(_mm256_mul_ps(M::load8(m), k.beta1), _mm256_mul_ps(k.beta3, gv));
+        let vv = _mm256_mul_ps(M::load8(v), k.beta2);
         let vv = _mm256_add_ps(vv, _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, gv), gv));
-        _mm256_storeu_ps(m, mv);
-        _mm256_storeu_ps(v, vv);
+        let mv = M::keep8(m, mv, random, false);
+        let vv = M::keep8(v, vv, random, true);
         add_squares(acc.0, pv);
         add_squares(acc.1, _mm256_and_ps(k.update(pv, mv, vv), valid));
     }
 }
 
 /// LAMB pass 1 on one piece: updates `m`, `v`; returns the f64 sums of `p²` and `u²` (16 lanes each).
+/// bf16 moments of element `i` round with the random bits of index `first + i` of stream `key`.
 ///
 /// # Safety
 /// AVX2, FMA and F16C available.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn lamb_moments<G: Elem>(
+pub(crate) unsafe fn lamb_moments<G: Elem, M: Moment>(
     p: &[f32],
     g: &[G],
-    m: &mut [f32],
-    v: &mut [f32],
+    m: &mut [M],
+    v: &mut [M],
     c: &LambConsts,
+    (key, first): (u32, u32),
 ) -> [f64; 2] {
     // SAFETY: features checked by the caller.
     let k = unsafe { LambV::new(c) };
@@ -115,7 +170,8 @@ pub(crate) unsafe fn lamb_moments<G: Elem>(
             // SAFETY: j + 8 <= body <= n, the length of every slice.
             unsafe {
                 let at = (base.0.add(j), base.1.add(j), base.2.add(j), base.3.add(j));
-                moments8(&k, at, all, (&mut acc_p[h], &mut acc_u[h]));
+                let random = random8::<M>(key, first.wrapping_add(j as u32));
+                moments8(&k, at, (all, random), (&mut acc_p[h], &mut acc_u[h]));
             }
         }
     }
@@ -130,7 +186,8 @@ pub(crate) unsafe fn lamb_moments<G: Elem>(
         // SAFETY: stack buffers of 8.
         unsafe {
             let at = (tp.as_ptr(), tg.as_ptr(), tm.as_mut_ptr(), tv.as_mut_ptr());
-            moments8(&k, at, valid, (&mut acc_p[h], &mut acc_u[h]));
+            let random = random8::<M>(key, first.wrapping_add(lo as u32));
+            moments8(&k, at, (valid, random), (&mut acc_p[h], &mut acc_u[h]));
         }
         m[lo..hi].copy_from_slice(&tm[..hi - lo]);
         v[lo..hi].copy_from_slice(&tv[..hi - lo]);
@@ -144,10 +201,10 @@ pub(crate) unsafe fn lamb_moments<G: Elem>(
 /// # Safety
 /// AVX2, FMA and F16C available.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn lamb_apply<Wk: Elem>(
+pub(crate) unsafe fn lamb_apply<Wk: Elem, M: Elem>(
     p: &mut [f32],
-    m: &[f32],
-    v: &[f32],
+    m: &[M],
+    v: &[M],
     mut w: Option<&mut [Wk]>,
     ratio: f32,
     c: &LambConsts,
@@ -155,12 +212,11 @@ pub(crate) unsafe fn lamb_apply<Wk: Elem>(
     // SAFETY: features checked by the caller.
     let k = unsafe { LambV::new(c) };
     let rv = _mm256_set1_ps(ratio);
-    let step = |p: *mut f32, m: *const f32, v: *const f32, w: *mut Wk| {
+    let step = |p: *mut f32, m: *const M, v: *const M, w: *mut Wk| {
         // SAFETY: 8 valid elements behind every non-null pointer (checked at each call site).
         unsafe {
             let pv = _mm256_loadu_ps(p);
-            let pn =
-                _mm256_sub_ps(pv, _mm256_mul_ps(rv, k.update(pv, _mm256_loadu_ps(m), _mm256_loadu_ps(v))));
+            let pn = _mm256_sub_ps(pv, _mm256_mul_ps(rv, k.update(pv, M::load8(m), M::load8(v))));
             _mm256_storeu_ps(p, pn);
             if !w.is_null() {
                 Wk::store8(w, pn);

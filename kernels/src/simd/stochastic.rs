@@ -2,9 +2,9 @@
 
 use std::arch::x86_64::{
     __m256, __m256i, _mm256_add_epi32, _mm256_and_si256, _mm256_andnot_si256, _mm256_castps_si256,
-    _mm256_castsi256_si128, _mm256_cmpgt_epi32, _mm256_loadu_ps, _mm256_mullo_epi32, _mm256_or_si256,
-    _mm256_packus_epi32, _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_setr_epi32, _mm256_srli_epi32,
-    _mm256_xor_si256, _mm_storeu_si128,
+    _mm256_castsi256_ps, _mm256_castsi256_si128, _mm256_cmpgt_epi32, _mm256_loadu_ps, _mm256_mullo_epi32,
+    _mm256_or_si256, _mm256_packus_epi32, _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_setr_epi32,
+    _mm256_slli_epi32, _mm256_srli_epi32, _mm256_xor_si256, _mm_storeu_si128,
 };
 
 use half::bf16;
@@ -52,12 +52,12 @@ unsafe fn round8(bits: __m256i, random: __m256i) -> __m256i {
 }
 
 /// Stores eight f32 lanes rounded stochastically to bf16 at `dst`, with the low half of `random`'s
-/// lanes, or their high half when `high`.
+/// lanes, or their high half when `high`. Returns the stored values widened back to f32 (exact).
 ///
 /// # Safety
 /// AVX2 available; `dst` valid for writing 8 elements.
 #[inline(always)]
-pub(crate) unsafe fn store8(dst: *mut bf16, x: __m256, random: __m256i, high: bool) {
+pub(crate) unsafe fn store8(dst: *mut bf16, x: __m256, random: __m256i, high: bool) -> __m256 {
     // SAFETY: caller guarantees AVX2 and 8 writable elements.
     unsafe {
         let random = if high { _mm256_srli_epi32::<16>(random) } else { random };
@@ -66,6 +66,7 @@ pub(crate) unsafe fn store8(dst: *mut bf16, x: __m256, random: __m256i, high: bo
         // halves, so the 64-bit quarters 0 and 2 hold the eight results in order.
         let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(wide, wide));
         _mm_storeu_si128(dst.cast(), _mm256_castsi256_si128(packed));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
     }
 }
 

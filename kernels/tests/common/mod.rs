@@ -1,6 +1,8 @@
 //! Shared test helpers: deterministic data, owned tensors of any dtype, bitwise comparison.
 #![allow(dead_code)]
 
+pub mod bf16_state;
+
 use amp_kernels::{Dtype, GradSlice, GradSliceMut, HalfSliceMut};
 use half::{bf16, f16};
 
