@@ -109,9 +109,10 @@ pub fn run_all(kernels: &CudaKernels, stream: &Arc<CudaStream>, budget: Duration
             addresses(stream, &v),
             vec![0; TENSORS],
             working_list,
+            vec![0; TENSORS], // random streams: f32 state draws none
         ];
         let kind = if mixed {
-            TensorKind { grad: Dtype::F16, working: Some(Dtype::F16) }
+            TensorKind { grad: Dtype::F16, working: Some(Dtype::F16), state: Dtype::F32 }
         } else {
             TensorKind::grad(Dtype::F32)
         };

@@ -8,7 +8,7 @@ use amp_kernels::cuda::{
 };
 use amp_kernels::optim::{AdamParams, AdamTensor, LambParams, LambTensor, SgdParams, SgdTensor, TensorNorms};
 use amp_kernels::scale::ScaleRule;
-use amp_kernels::{reference, GradSliceMut};
+use amp_kernels::{reference, Dtype, GradSliceMut};
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use crate::data::{self, address_f32, grad_dtype, working_dtype, DeviceTensor, HostTensor, Rng, SIZES};
@@ -64,7 +64,11 @@ fn upload_f32(stream: &Arc<CudaStream>, hosts: &[Vec<f32>]) -> Result<Vec<CudaSl
 
 fn kinds(with_working: bool) -> Vec<TensorKind> {
     (0..SIZES.len())
-        .map(|t| TensorKind { grad: grad_dtype(t), working: working_dtype(t).filter(|_| with_working) })
+        .map(|t| TensorKind {
+            grad: grad_dtype(t),
+            working: working_dtype(t).filter(|_| with_working),
+            state: Dtype::F32,
+        })
         .collect()
 }
 
@@ -219,6 +223,11 @@ fn zeros(stream: &Arc<CudaStream>) -> Result<Mirrored> {
     Ok((host, device))
 }
 
+/// The optimizer tables' stream list for f32 state (which draws no random bits).
+fn no_streams() -> Vec<u64> {
+    vec![0; SIZES.len()]
+}
+
 fn addresses_f32(stream: &Arc<CudaStream>, slices: &[CudaSlice<f32>]) -> Vec<u64> {
     slices.iter().map(|s| address_f32(stream, s)).collect()
 }
@@ -237,6 +246,7 @@ fn adam(kernels: &CudaKernels, stream: &Arc<CudaStream>, amsgrad_l2: bool) -> Re
         addresses_f32(stream, &d_v),
         vmax_addresses,
         p.working_addresses(stream),
+        no_streams(),
     ];
     let table = DeviceTable::upload(stream, data::table(&lists, &SIZES, &kinds(true))?)?;
     let scaler = DeviceScaler::new(stream, &ScaleState::new(scale, 1))?;
@@ -289,6 +299,7 @@ fn sgd(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row> {
         p.master_addresses(stream),
         addresses_f32(stream, &d_buf),
         p.working_addresses(stream),
+        no_streams(),
     ];
     let table = DeviceTable::upload(stream, data::table(&lists, &SIZES, &kinds(true))?)?;
     let scaler = DeviceScaler::new(stream, &ScaleState::new(scale, 1))?;
@@ -329,6 +340,7 @@ fn lamb(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row> {
         addresses_f32(stream, &d_m),
         addresses_f32(stream, &d_v),
         p.working_addresses(stream),
+        no_streams(),
     ];
     let table = DeviceTable::upload(stream, data::table(&lists, &SIZES, &kinds(true))?)?;
     let scaler = DeviceScaler::new(stream, &ScaleState::new(scale, 1))?;
@@ -379,6 +391,7 @@ fn skipped_step(kernels: &CudaKernels, stream: &Arc<CudaStream>) -> Result<Row> 
         addresses_f32(stream, &d_v),
         vec![0; SIZES.len()],
         p.working_addresses(stream),
+        no_streams(),
     ];
     let table = DeviceTable::upload(stream, data::table(&lists, &SIZES, &kinds(true))?)?;
     let mut scaler = DeviceScaler::new(stream, &ScaleState::new(scale, 1))?;

@@ -58,16 +58,19 @@ pub struct TensorKind {
     pub grad: Dtype,
     /// The working copy's, when there is one (f16 or bf16).
     pub working: Option<Dtype>,
+    /// The optimizer state's: f32, or bf16 (rounded stochastically when stored). Kernels without state
+    /// ignore it.
+    pub state: Dtype,
 }
 
 impl TensorKind {
-    /// A tensor whose gradient is `grad`, with no working copy.
+    /// A tensor whose gradient is `grad`, with no working copy and f32 state.
     #[must_use]
     pub fn grad(grad: Dtype) -> Self {
-        TensorKind { grad, working: None }
+        TensorKind { grad, working: None, state: Dtype::F32 }
     }
 
-    /// The table word: gradient code in bits 0-7, working copy's in bits 8-15.
+    /// The table word: gradient code in bits 0-7, working copy's in bits 8-15, state's in bits 16-23.
     #[must_use]
     pub fn word(self) -> u64 {
         let code = |d: Dtype| match d {
@@ -75,7 +78,7 @@ impl TensorKind {
             Dtype::F16 => 1,
             Dtype::Bf16 => 2,
         };
-        code(self.grad) | (self.working.map_or(0, code) << 8)
+        code(self.grad) | (self.working.map_or(0, code) << 8) | (code(self.state) << 16)
     }
 }
 
@@ -207,14 +210,16 @@ mod tests {
 
     #[test]
     fn small_layout_by_hand() -> Result<(), TableError> {
-        let kinds =
-            [TensorKind::grad(Dtype::F32), TensorKind { grad: Dtype::F16, working: Some(Dtype::Bf16) }];
+        let kinds = [
+            TensorKind::grad(Dtype::F32),
+            TensorKind { grad: Dtype::F16, working: Some(Dtype::Bf16), state: Dtype::Bf16 },
+        ];
         let table = LaunchTable::new(&[&[0x100, 0x200], &[0x300, 0]], &[5, 2], &kinds, 4)?;
         #[rustfmt::skip]
         assert_eq!(table.words(), &[
             0x100, 0x200, 0x300, 0,  // lists
             5, 2,                    // lengths
-            0, 0x201,                // kinds: f32 / none, f16 / bf16
+            0, 0x20201,              // kinds: f32 / none / f32, f16 / bf16 / bf16
             0, 0, 4,  0, 4, 5,  1, 0, 2,  // blocks
         ]);
         assert_eq!(table.first_block(), &[0, 2, 3]);
@@ -249,7 +254,7 @@ mod tests {
         ) {
             let addresses: Vec<u64> = (1..=lens.len() as u64).map(|a| a * 0x1000).collect();
             let kinds: Vec<TensorKind> = (0..lens.len())
-                .map(|t| TensorKind { grad: [Dtype::F32, Dtype::F16, Dtype::Bf16][t % 3], working: None })
+                .map(|t| TensorKind::grad([Dtype::F32, Dtype::F16, Dtype::Bf16][t % 3]))
                 .collect();
             let table = LaunchTable::new(&[&addresses, &addresses], &lens, &kinds, chunk).unwrap();
             let mut next = vec![0usize; lens.len()];

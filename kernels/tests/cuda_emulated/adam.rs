@@ -9,11 +9,12 @@ use crate::data::{regrade, states};
 use crate::harness::{emulator, Emulator};
 use crate::launch::Shared;
 use crate::scale::count_step;
-use crate::tables::{states_table, Slot};
+use crate::tables::{states_table, Row, Slot};
 
-const ADAM_SLOTS: [Slot; 6] = [Slot::Grad, Slot::Master, Slot::A, Slot::B, Slot::C, Slot::Working];
+const ADAM_SLOTS: [Slot; 7] =
+    [Slot::Grad, Slot::Master, Slot::A, Slot::B, Slot::C, Slot::Working, Slot::Stream];
 
-pub fn adam(emu: &Emulator, states: &mut [State], steps: &i64, bad: &i32, factor: f32, hp: &AdamParams) {
+pub fn adam<R: Row>(emu: &Emulator, states: &mut [R], steps: &i64, bad: &i32, factor: f32, hp: &AdamParams) {
     type Kernel = unsafe extern "C" fn(
         *const u64,
         i32,
@@ -37,8 +38,8 @@ pub fn adam(emu: &Emulator, states: &mut [State], steps: &i64, bad: &i32, factor
     let (decoupled, bias_correction) = (i32::from(hp.decoupled_weight_decay), i32::from(hp.bias_correction));
     let hp = *hp;
     m.launch(table.blocks(), BLOCK_THREADS, &|| {
-        // SAFETY: the table holds the addresses, lengths and types of `states`' buffers (f32 masters and
-        // moments), borrowed mutably for the launch; the other pointers are live borrows.
+        // SAFETY: the table holds the addresses, lengths and types of `states`' buffers (f32 masters,
+        // f32 or bf16 moments), borrowed mutably for the launch; the other pointers are live borrows.
         unsafe {
             kernel(
                 words.get(),

@@ -10,13 +10,13 @@ use crate::data::{dtype, states, ulps};
 use crate::harness::{emulator, Emulator};
 use crate::launch::Shared;
 use crate::scale::count_step;
-use crate::tables::{states_table, Slot};
+use crate::tables::{states_table, Row, Slot};
 
 /// Masters may differ from the reference by this many ulps when a LAMB norm differs by one: the ratio
 /// `lr * (||p|| / ||u||)` is then off by up to ~3 ulps, and `ratio * u` is far smaller than `p`.
 const MASTER_ULPS: u64 = 4;
 
-const LAMB_SLOTS: [Slot; 5] = [Slot::Grad, Slot::Master, Slot::A, Slot::B, Slot::Working];
+const LAMB_SLOTS: [Slot; 6] = [Slot::Grad, Slot::Master, Slot::A, Slot::B, Slot::Working, Slot::Stream];
 
 /// Threads per block of `amp_lamb_ratios` (one per tensor), as launch.rs.
 const RATIO_THREADS: u32 = 128;
@@ -30,7 +30,7 @@ pub struct LambScratch {
 
 impl LambScratch {
     /// The scratch of a step on `states`, every value `fill`.
-    pub fn for_states(states: &mut [State], fill: f32) -> Self {
+    pub fn for_states<R: Row>(states: &mut [R], fill: f32) -> Self {
         let blocks = states_table(states, &LAMB_SLOTS).blocks();
         LambScratch {
             partials: vec![f64::from(fill); 2 * blocks],
@@ -40,9 +40,9 @@ impl LambScratch {
     }
 }
 
-pub fn lamb(
+pub fn lamb<R: Row>(
     emu: &Emulator,
-    states: &mut [State],
+    states: &mut [R],
     steps: &i64,
     bad: &i32,
     factor: f32,
@@ -96,8 +96,8 @@ pub fn lamb(
     let (grad_averaging, always_adapt) = (i32::from(hp.grad_averaging), i32::from(hp.always_adapt));
     let hp = *hp;
     m.launch(table.blocks(), BLOCK_THREADS, &|| {
-        // SAFETY: the table holds the addresses, lengths and types of `states`' buffers (f32 masters and
-        // moments), borrowed mutably for the launch; `partials` has two slots per block; the other
+        // SAFETY: the table holds the addresses, lengths and types of `states`' buffers (f32 masters, f32
+        // or bf16 moments), borrowed mutably for the launch; `partials` has two slots per block; the other
         // pointers are live borrows.
         unsafe {
             moments(
@@ -188,7 +188,7 @@ fn lamb_matches_the_reference() {
     ];
     let scale = 256.0;
     let factor = 1.0 / scale;
-    let (mut norms_exact, mut norms_total, mut masters_off, mut worst) = (0, 0, 0, 0);
+    let mut tally = Tally::default();
     for (c, hp) in configs.iter().enumerate() {
         let mut got = states(&mut rng, false, scale);
         // A zero master: ||p|| = 0, so the ratio is lr alone.
@@ -207,13 +207,40 @@ fn lamb_matches_the_reference() {
             // Moments come before the norms: bit for bit.
             assert_same(&format!("{what} t{t} exp_avg"), &g.a, &w.a);
             assert_same(&format!("{what} t{t} exp_avg_sq"), &g.b, &w.b);
+        }
+        tally.check(&what, got.iter().zip(&want), &scratch, &norms);
+    }
+    tally.report("lamb");
+}
+
+/// What the LAMB comparisons found: norms bit-identical out of all, masters off, the worst distance.
+#[derive(Default)]
+pub struct Tally {
+    norms_exact: usize,
+    norms_total: usize,
+    masters_off: usize,
+    worst: u64,
+}
+
+impl Tally {
+    /// Checks one step's norms (`scratch`, against the reference's `norms`) within 1 ulp, and each
+    /// tensor's master and working copy: bit for bit where both of its norms are, else the masters
+    /// within [`MASTER_ULPS`] and the working copy the rounding of the kernel's own master.
+    pub fn check<'a>(
+        &mut self,
+        what: &str,
+        pairs: impl Iterator<Item = (&'a State, &'a State)>,
+        scratch: &LambScratch,
+        norms: &[TensorNorms],
+    ) {
+        for (t, (g, w)) in pairs.enumerate() {
             // Norms: f64 sums in another order (lanes and a tree vs sequential), rounded to f32.
             let (param, update) = (scratch.norms[2 * t], scratch.norms[2 * t + 1]);
             let (want_param, want_update) = (norms[t].param, norms[t].update);
             assert!(ulps(param, want_param) <= 1, "{what} t{t}: ||p|| {param:e} vs {want_param:e}");
             assert!(ulps(update, want_update) <= 1, "{what} t{t}: ||u|| {update:e} vs {want_update:e}");
-            norms_total += 2;
-            norms_exact += usize::from(param == want_param) + usize::from(update == want_update);
+            self.norms_total += 2;
+            self.norms_exact += usize::from(param == want_param) + usize::from(update == want_update);
             if param == want_param && update == want_update {
                 // Same ratio: the update is elementwise, bit for bit.
                 assert_same(&format!("{what} t{t} master"), &g.master, &w.master);
@@ -226,8 +253,8 @@ fn lamb_matches_the_reference() {
                 for (i, (&x, &y)) in g.master.iter().zip(&w.master).enumerate() {
                     let d = ulps(x, y);
                     assert!(d <= MASTER_ULPS, "{what} t{t} master[{i}]: {x:e} vs {y:e} ({d} ulps)");
-                    worst = worst.max(d);
-                    masters_off += usize::from(d != 0);
+                    self.worst = self.worst.max(d);
+                    self.masters_off += usize::from(d != 0);
                 }
                 if let Some(x) = &g.working {
                     assert_same_owned(&format!("{what} t{t} working"), x, &Owned::new(dtype(x), &g.master));
@@ -235,7 +262,12 @@ fn lamb_matches_the_reference() {
             }
         }
     }
-    eprintln!(
-        "lamb: {norms_exact} of {norms_total} norms bit-identical; {masters_off} masters differ, by at most {worst} ulps"
-    );
+
+    pub fn report(&self, name: &str) {
+        let Tally { norms_exact, norms_total, masters_off, worst } = self;
+        eprintln!(
+            "{name}: {norms_exact} of {norms_total} norms bit-identical; {masters_off} masters differ, by at \
+             most {worst} ulps"
+        );
+    }
 }

@@ -52,6 +52,7 @@ mod launch;
 mod tables;
 
 mod adam;
+mod bf16_state;
 mod conversions;
 mod lamb;
 mod norm;

@@ -10,23 +10,23 @@ use crate::data::{regrade, states};
 use crate::harness::{emulator, Emulator};
 use crate::launch::Shared;
 use crate::scale::count_step;
-use crate::tables::{states_table, Slot};
+use crate::tables::{states_table, Row, Slot};
 
-pub fn sgd(emu: &Emulator, states: &mut [State], steps: &i64, bad: &i32, factor: f32, hp: &SgdParams) {
+pub fn sgd<R: Row>(emu: &Emulator, states: &mut [R], steps: &i64, bad: &i32, factor: f32, hp: &SgdParams) {
     type Kernel =
         unsafe extern "C" fn(*const u64, i32, *const i64, *const i32, *const f32, f64, f64, f64, f64, i32);
     let m = emu.module("sgd");
     // SAFETY: amp_sgd's signature in sgd.cu.
     let kernel: Kernel = unsafe { m.kernel("amp_sgd") };
     let buffer = if hp.momentum != 0.0 { Slot::A } else { Slot::Absent };
-    let table = states_table(states, &[Slot::Grad, Slot::Master, buffer, Slot::Working]);
+    let table = states_table(states, &[Slot::Grad, Slot::Master, buffer, Slot::Working, Slot::Stream]);
     let (words, n) = (table.words(), table.n());
     let (steps, bad, factor) = (Shared::new(steps), Shared::new(bad), Shared::new(&factor));
     let nesterov = i32::from(hp.nesterov);
     let hp = *hp;
     m.launch(table.blocks(), BLOCK_THREADS, &|| {
-        // SAFETY: the table holds the addresses, lengths and types of `states`' buffers (f32 masters and
-        // momentum buffers), borrowed mutably for the launch; the other pointers are live borrows.
+        // SAFETY: the table holds the addresses, lengths and types of `states`' buffers (f32 masters, f32
+        // or bf16 momentum buffers), borrowed mutably for the launch; the other pointers are live borrows.
         unsafe {
             kernel(
                 words.get(),

@@ -2,7 +2,9 @@
 //! layout.
 
 use amp_kernels::cuda::{LaunchTable, TensorKind};
+use amp_kernels::Dtype;
 
+use crate::common::bf16_state::Bf16State;
 use crate::common::{Owned, State};
 use crate::data::dtype;
 use crate::launch::Shared;
@@ -73,29 +75,70 @@ pub enum Slot {
     B,
     C,
     Working,
+    /// The tensor's random stream (a number, not an address): [`stream`] of its index.
+    Stream,
     Absent,
 }
 
-fn slot_address(s: &mut State, slot: Slot) -> u64 {
-    match slot {
-        Slot::Grad => address(&mut s.grad),
-        Slot::Master => s.master.as_mut_ptr() as u64,
-        Slot::A => s.a.as_mut_ptr() as u64,
-        Slot::B => s.b.as_mut_ptr() as u64,
-        Slot::C => s.c.as_mut().map_or(0, |c| c.as_mut_ptr() as u64),
-        Slot::Working => s.working.as_mut().map_or(0, address),
-        Slot::Absent => 0,
+/// The random stream of tensor `t` in the tests' tables (the reference's tensors must use the same).
+pub fn stream(t: usize) -> u64 {
+    0x5EED_0000 + t as u64
+}
+
+/// A tensor of an optimizer's table: its element types, length and the word of each slot.
+pub trait Row {
+    fn kind(&self) -> TensorKind;
+    fn len(&self) -> usize;
+    /// The word of `slot` for this tensor, the `index`-th of its table.
+    fn word(&mut self, slot: Slot, index: usize) -> u64;
+}
+
+impl Row for State {
+    fn kind(&self) -> TensorKind {
+        TensorKind { grad: dtype(&self.grad), working: self.working.as_ref().map(dtype), state: Dtype::F32 }
+    }
+    fn len(&self) -> usize {
+        self.master.len()
+    }
+    fn word(&mut self, slot: Slot, index: usize) -> u64 {
+        match slot {
+            Slot::Grad => address(&mut self.grad),
+            Slot::Master => self.master.as_mut_ptr() as u64,
+            Slot::A => self.a.as_mut_ptr() as u64,
+            Slot::B => self.b.as_mut_ptr() as u64,
+            Slot::C => self.c.as_mut().map_or(0, |c| c.as_mut_ptr() as u64),
+            Slot::Working => self.working.as_mut().map_or(0, address),
+            Slot::Stream => stream(index),
+            Slot::Absent => 0,
+        }
+    }
+}
+
+/// bf16 state: `A` and `B` are its bf16 buffers.
+impl Row for Bf16State {
+    fn kind(&self) -> TensorKind {
+        TensorKind { state: Dtype::Bf16, ..self.state.kind() }
+    }
+    fn len(&self) -> usize {
+        self.state.master.len()
+    }
+    fn word(&mut self, slot: Slot, index: usize) -> u64 {
+        match slot {
+            Slot::A => self.a.as_mut_ptr() as u64,
+            Slot::B => self.b.as_mut_ptr() as u64,
+            Slot::C => 0,
+            _ => self.state.word(slot, index),
+        }
     }
 }
 
 /// A table with one list per slot.
-pub fn states_table(states: &mut [State], slots: &[Slot]) -> Table {
-    let kinds: Vec<TensorKind> = states
+pub fn states_table<R: Row>(rows: &mut [R], slots: &[Slot]) -> Table {
+    let kinds: Vec<TensorKind> = rows.iter().map(Row::kind).collect();
+    let lens: Vec<usize> = rows.iter().map(Row::len).collect();
+    let words: Vec<Vec<u64>> = slots
         .iter()
-        .map(|s| TensorKind { grad: dtype(&s.grad), working: s.working.as_ref().map(dtype) })
+        .map(|&slot| rows.iter_mut().enumerate().map(|(t, r)| r.word(slot, t)).collect())
         .collect();
-    let lens: Vec<usize> = states.iter().map(|s| s.master.len()).collect();
-    let words: Vec<Vec<u64>> =
-        slots.iter().map(|&slot| states.iter_mut().map(|s| slot_address(s, slot)).collect()).collect();
     Table::new(&words, &lens, &kinds)
 }

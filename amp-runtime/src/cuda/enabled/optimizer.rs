@@ -145,7 +145,8 @@ impl DeviceOptimizer {
     /// The launch table of `group`'s parameters that have a gradient, or `None` when none has.
     fn table(&self, groups: &ParamGroups, grads: &GradStore, group: usize) -> Result<Option<LaunchTable>> {
         let stream = &self.gpu.stream;
-        let mut lists: Vec<Vec<u64>> = vec![Vec::new(); self.state.len() + 3];
+        // grad, master, the state kinds, working copy, random stream (f32 state here: it draws none).
+        let mut lists: Vec<Vec<u64>> = vec![Vec::new(); self.state.len() + 4];
         let (mut lens, mut kinds) = (Vec::new(), Vec::new());
         for (i, param) in groups.params.iter().enumerate().filter(|(_, p)| p.group == group) {
             let Some(grad) = param.grad(grads)? else { continue };
@@ -166,8 +167,9 @@ impl DeviceOptimizer {
                 list.push(kind.as_ref().map_or(0, |buffers| buffers[i].device_ptr(stream).0));
             }
             lists[self.state.len() + 2].push(working.map_or(0, |w| w.address));
+            lists[self.state.len() + 3].push(0);
             lens.push(master.len);
-            kinds.push(TensorKind { grad: grad.dtype, working: working.map(|w| w.dtype) });
+            kinds.push(TensorKind { grad: grad.dtype, working: working.map(|w| w.dtype), state: Dtype::F32 });
         }
         if lens.is_empty() {
             return Ok(None);

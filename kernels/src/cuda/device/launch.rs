@@ -177,14 +177,17 @@ impl CudaKernels {
         Ok(())
     }
 
-    /// One fused Adam / AdamW step over a 6-list table (grad, master, exp_avg, exp_avg_sq,
-    /// max_exp_avg_sq or 0, working copy or 0), skipped on the device when the scaler's flag is set.
+    /// One fused Adam / AdamW step over a 7-list table (grad, master, exp_avg, exp_avg_sq,
+    /// max_exp_avg_sq or 0, working copy or 0, each tensor's random stream), skipped on the device when
+    /// the scaler's flag is set. The moments are f32 or bf16, as each tensor's
+    /// [`TensorKind::state`](crate::cuda::TensorKind::state) says (bf16: rounded stochastically, as
+    /// [`crate::optim::adam_step_bf16_state`]).
     /// `hp.step` is ignored: the step number is `step.steps` (applied steps before this one), which
     /// [`CudaKernels::count_step`] advances.
     ///
     /// # Safety
-    /// Every address in `table` is a live device buffer of the recorded length and type (f32 for master
-    /// and state), used by nothing else until the launch completes.
+    /// Every address in `table` is a live device buffer of the recorded length and type (f32 for the
+    /// master, the recorded state type for the state), used by nothing else until the launch completes.
     ///
     /// # Errors
     /// The driver's, or a table of the wrong shape.
@@ -195,7 +198,7 @@ impl CudaKernels {
         step: OptimizerStep<'_>,
         hp: &AdamParams,
     ) -> Result<(), CudaError> {
-        expect_lists(table, 6, "amp_adam")?;
+        expect_lists(table, 7, "amp_adam")?;
         if table.host().blocks() == 0 {
             return Ok(());
         }
@@ -211,7 +214,8 @@ impl CudaKernels {
         Ok(())
     }
 
-    /// One fused SGD step over a 4-list table (grad, master, momentum buffer or 0, working copy or 0).
+    /// One fused SGD step over a 5-list table (grad, master, momentum buffer or 0, working copy or 0,
+    /// each tensor's random stream), the buffer f32 or bf16 ([`crate::optim::sgd_step_bf16_state`]).
     /// `hp.first_step` is ignored: the device counter `step.steps` says whether the buffers are fresh.
     ///
     /// # Safety
@@ -226,7 +230,7 @@ impl CudaKernels {
         step: OptimizerStep<'_>,
         hp: &SgdParams,
     ) -> Result<(), CudaError> {
-        expect_lists(table, 4, "amp_sgd")?;
+        expect_lists(table, 5, "amp_sgd")?;
         if table.host().blocks() == 0 {
             return Ok(());
         }
@@ -240,7 +244,8 @@ impl CudaKernels {
         Ok(())
     }
 
-    /// One fused LAMB step over a 5-list table (grad, master, exp_avg, exp_avg_sq, working copy or 0):
+    /// One fused LAMB step over a 6-list table (grad, master, exp_avg, exp_avg_sq, working copy or 0,
+    /// each tensor's random stream), the moments f32 or bf16 ([`crate::optim::lamb_step_bf16_state`]):
     /// three launches (moments and partial norms, trust ratios, apply), none waited for.
     ///
     /// # Safety
@@ -256,7 +261,7 @@ impl CudaKernels {
         hp: &LambParams,
         scratch: &mut LambBuffers,
     ) -> Result<(), CudaError> {
-        expect_lists(table, 5, "amp_lamb")?;
+        expect_lists(table, 6, "amp_lamb")?;
         expect_len(&scratch.partials, 2 * table.host().blocks(), "the LAMB partials")?;
         expect_len(&scratch.ratios, table.host().tensors(), "the LAMB ratios")?;
         if table.host().blocks() == 0 {

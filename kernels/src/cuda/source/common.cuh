@@ -6,8 +6,9 @@
 //
 //   table[l * n + t]             pointer of tensor t in list l (0 where a list is absent), l < lists
 //   table[lists * n + t]         element count of tensor t
-//   table[lists * n + n + t]     element types of tensor t: gradient in bits 0-7, working copy in 8-15
-//                                (AMP_KIND_*), so one launch serves tensors of mixed precisions
+//   table[lists * n + n + t]     element types of tensor t: gradient in bits 0-7, working copy in 8-15,
+//                                optimizer state in 16-23 (AMP_KIND_*), so one launch serves tensors of
+//                                mixed precisions
 //   table[lists * n + 2n + 3b]   block b: tensor index, first element, one past the last element
 //
 // Every block handles one chunk (at most 64 Ki elements) of one tensor; blocks of a tensor are consecutive
@@ -101,6 +102,87 @@ __device__ __forceinline__ int amp_grad_kind(const amp_u64* table, int n, int li
 __device__ __forceinline__ int amp_working_kind(const amp_u64* table, int n, int lists, int t) {
     return (int)((table[(amp_i64)lists * n + n + t] >> 8) & 0xff);
 }
+
+__device__ __forceinline__ int amp_state_kind(const amp_u64* table, int n, int lists, int t) {
+    return (int)((table[(amp_i64)lists * n + n + t] >> 16) & 0xff);
+}
+
+// The word of tensor `t` in list `l`, for lists that hold numbers rather than addresses.
+__device__ __forceinline__ amp_u64 amp_word(const amp_u64* table, int n, int l, int t) {
+    return table[(amp_i64)l * n + t];
+}
+
+// ---- Stochastic rounding of optimizer state to bf16: amp_kernels::stochastic, bit for bit ----------------
+
+__device__ __forceinline__ unsigned int amp_mix(unsigned int x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
+// stream_key(words[0..count]).
+__device__ __forceinline__ unsigned int amp_stream_key(const amp_u64* words, int count) {
+    unsigned int key = 0x2545f491u;
+    for (int i = 0; i < count; ++i) {
+        key = amp_mix(amp_mix(key ^ (unsigned int)words[i]) ^ (unsigned int)(words[i] >> 32));
+    }
+    return key;
+}
+
+// random_bits(key, index).
+__device__ __forceinline__ unsigned int amp_random_bits(unsigned int key, amp_u64 index) {
+    const unsigned int high = (unsigned int)(index >> 32);
+    const unsigned int block_key = high == 0 ? key : amp_mix(key ^ high * 0x9e3779b9u);
+    return amp_mix((unsigned int)index ^ block_key);
+}
+
+// round_bf16(x, r): the low 16 bits of r added to x's pattern, the top 16 kept; NaN made quiet as `half`.
+__device__ __forceinline__ amp_bf16 amp_round_bf16_stochastic(float x, unsigned int r) {
+    const unsigned int b = __float_as_uint(x);
+    amp_bf16 h;
+    h.bits = (b & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((b >> 16) | 0x0040u)
+                                              : (unsigned short)((b + (r & 0xffffu)) >> 16);
+    return h;
+}
+
+// Optimizer state of element type S: f32, or bf16 rounded stochastically when stored.
+template <typename S> struct amp_state_rounds {
+    static const bool value = false;
+};
+template <> struct amp_state_rounds<amp_bf16> {
+    static const bool value = true;
+};
+
+// Element i's random bits for state S (0 when S does not round: nothing is drawn).
+template <typename S> __device__ __forceinline__ unsigned int amp_state_random(unsigned int key, amp_i64 i) {
+    return amp_state_rounds<S>::value ? amp_random_bits(key, (amp_u64)i) : 0u;
+}
+
+__device__ __forceinline__ float amp_state_load(const float* s, amp_i64 i) { return s[i]; }
+__device__ __forceinline__ float amp_state_load(const amp_bf16* s, amp_i64 i) { return amp_to_f32(s[i]); }
+
+// Stores x (bf16: rounded with the low 16 bits of `random`) and returns the value stored.
+__device__ __forceinline__ float amp_state_store(float* s, amp_i64 i, float x, unsigned int) {
+    s[i] = x;
+    return x;
+}
+__device__ __forceinline__ float amp_state_store(amp_bf16* s, amp_i64 i, float x, unsigned int random) {
+    const amp_bf16 h = amp_round_bf16_stochastic(x, random);
+    s[i] = h;
+    return amp_to_f32(h);
+}
+
+// Runs BODY with the type S naming the optimizer-state element type of kind `s`.
+#define AMP_WITH_STATE(s, BODY)                                                                             \
+    if ((s) == AMP_KIND_BF16) {                                                                             \
+        typedef amp_bf16 S;                                                                                 \
+        BODY                                                                                                \
+    } else {                                                                                                \
+        typedef float S;                                                                                    \
+        BODY                                                                                                \
+    }
 
 // CALL(G) with G the gradient element type of kind `g`.
 #define AMP_SWITCH_GRAD(g, CALL)                                                                            \
